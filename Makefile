@@ -1,0 +1,32 @@
+# Developer entry points. Every target installs what it needs into .venv first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.megatrace-installed
+# The CPU build of torch (the tracer and the demo need torch; analysis does not).
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[torch,test]"
+	touch $@
+
+# The main job on its embedded default: the 8-rank TP2·PP2·DP2 demo with an injected hang.
+demo: $(STAMP)
+	$(BIN)/megatrace demo --ranks 8 --tp 2 --pp 2 --dp 2 --steps 20 \
+		--fault hang:rank=5,step=3 -o megatrace-demo-hang
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/tracer_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis megatrace-demo-*

@@ -1,0 +1,52 @@
+"""Build hook: compile the ring writer's C hot path (megatrace/trace/native/_ringfast.c).
+
+Uses the system C compiler and Python's own headers. If either is missing the
+build goes on without it and the tracer runs its pure-Python writer (slower,
+same bytes); set MEGATRACE_REQUIRE_NATIVE=1 to make that an error instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+SOURCE = Path("megatrace/trace/native/_ringfast.c")
+
+
+def compile_ringfast(root: Path) -> Path | None:
+    """Compile the extension next to its package; return its path, or None if it cannot be built."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    target = root / "megatrace" / "trace" / f"_ringfast{suffix}"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    include = sysconfig.get_paths()["include"]
+    if not cc or not Path(include, "Python.h").exists():
+        return None
+    cmd = [cc, "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-fvisibility=hidden",
+           f"-I{include}", str(root / SOURCE), "-o", str(target)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.stderr.write(f"megatrace: building {SOURCE} failed:\n{result.stderr}\n")
+        return None
+    return target
+
+
+class CustomBuildHook(BuildHookInterface):
+    def initialize(self, version: str, build_data: dict) -> None:
+        built = compile_ringfast(Path(self.root))
+        if built is None:
+            message = ("megatrace: the C ring writer was not built (no C compiler or Python headers); "
+                       "the tracer will use its pure-Python writer")
+            if os.environ.get("MEGATRACE_REQUIRE_NATIVE") == "1":
+                raise RuntimeError(message)
+            sys.stderr.write(message + "\n")
+            return
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+        if version != "editable":
+            build_data["force_include"][str(built)] = f"megatrace/trace/{built.name}"

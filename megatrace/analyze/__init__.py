@@ -1,0 +1,1 @@
+"""Stage 3, analysis: matching, hangs, dependency graph, critical path, stragglers, rules."""

@@ -1,0 +1,1 @@
+"""Preflight health probes (GPU, node, network)."""

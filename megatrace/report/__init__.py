@@ -1,0 +1,1 @@
+"""Stage 4, the post-mortem report."""

@@ -1,0 +1,178 @@
+/*
+ * megatrace.trace._ringfast: the ring writer's hot path in C.
+ *
+ * RingWriter (ring_writer.py) uses it when it was built and falls back to its
+ * pure-Python twin otherwise; both write the same bytes (ring_record.h). Calls
+ * run under the GIL, which also makes the sequence counter atomic.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "ring_record.h"
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    uint64_t capacity;
+    uint64_t next_seq;
+    PyObject *on_wrap; /* called once with the first seq that overwrites an older record */
+} FastRing;
+
+static int FastRing_init(FastRing *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "capacity", "next_seq", "on_wrap", NULL};
+    PyObject *buffer, *on_wrap = NULL;
+    unsigned long long capacity, next_seq = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OK|KO", kwlist, &buffer, &capacity, &next_seq, &on_wrap))
+        return -1;
+    Py_XINCREF(on_wrap);
+    Py_XSETREF(self->on_wrap, on_wrap);
+    if (capacity == 0) {
+        PyErr_SetString(PyExc_ValueError, "capacity must be positive");
+        return -1;
+    }
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+    if (PyObject_GetBuffer(buffer, &self->view, PyBUF_WRITABLE) < 0)
+        return -1;
+    self->has_view = 1;
+    if ((unsigned long long)self->view.len < MT_HEADER_SIZE + capacity * MT_RECORD_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "buffer smaller than header + capacity records");
+        return -1;
+    }
+    self->capacity = capacity;
+    self->next_seq = next_seq;
+    return 0;
+}
+
+static void FastRing_dealloc(FastRing *self)
+{
+    if (self->has_view)
+        PyBuffer_Release(&self->view);
+    Py_XDECREF(self->on_wrap);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* begin(op, group_id, group_seq, nbytes, peer=-1, dtype=0, flags=0) -> (offset, seq) */
+static PyObject *FastRing_begin(FastRing *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long v[7] = {0, 0, 0, 0, -1, 0, 0};
+    unsigned long long nbytes;
+    if (nargs < 4 || nargs > 7) {
+        PyErr_SetString(PyExc_TypeError, "begin() takes 4 to 7 positional arguments");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (i == 3)
+            continue;
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    nbytes = PyLong_AsUnsignedLongLong(args[3]);
+    if (nbytes == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    uint64_t seq = self->next_seq++;
+    uint64_t off = mt_record_begin((unsigned char *)self->view.buf, self->capacity, seq, (uint64_t)v[2],
+                                   nbytes, (uint32_t)v[1], (int32_t)v[4], (uint16_t)v[0], (uint8_t)v[5],
+                                   (uint8_t)v[6]);
+    if (seq == self->capacity + 1 && self->on_wrap != NULL && self->on_wrap != Py_None) {
+        PyObject *r = PyObject_CallFunction(self->on_wrap, "K", (unsigned long long)seq);
+        if (r == NULL)
+            PyErr_Clear(); /* a failing warning must not fail the record */
+        Py_XDECREF(r);
+    }
+    return Py_BuildValue("(KK)", (unsigned long long)off, (unsigned long long)seq);
+}
+
+static int parse_handle(PyObject *handle, uint64_t *off, uint64_t *seq)
+{
+    if (!PyTuple_Check(handle) || PyTuple_GET_SIZE(handle) != 2) {
+        PyErr_SetString(PyExc_TypeError, "handle must be an (offset, seq) tuple");
+        return -1;
+    }
+    *off = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(handle, 0));
+    *seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(handle, 1));
+    if (PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+/* complete_now(handle): the calling thread just began this record; no wrap check. */
+static PyObject *FastRing_complete_now(FastRing *self, PyObject *handle)
+{
+    uint64_t off, seq;
+    if (parse_handle(handle, &off, &seq) < 0)
+        return NULL;
+    mt_record_complete((unsigned char *)self->view.buf, off, seq, MT_STATE_COMPLETED);
+    Py_RETURN_NONE;
+}
+
+/* complete(handle, state=2): from any thread; skipped if the ring wrapped past the record. */
+static PyObject *FastRing_complete(FastRing *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, seq, stored;
+    long state = MT_STATE_COMPLETED;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "complete() takes 1 or 2 positional arguments");
+        return NULL;
+    }
+    if (parse_handle(args[0], &off, &seq) < 0)
+        return NULL;
+    if (nargs == 2) {
+        state = PyLong_AsLong(args[1]);
+        if (state == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (off + MT_RECORD_SIZE > (uint64_t)self->view.len) {
+        PyErr_SetString(PyExc_ValueError, "handle offset outside the ring");
+        return NULL;
+    }
+    memcpy(&stored, (unsigned char *)self->view.buf + off, 8);
+    if (stored == seq)
+        mt_record_complete((unsigned char *)self->view.buf, off, seq, (uint32_t)state);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef FastRing_methods[] = {
+    {"begin", (PyCFunction)(void (*)(void))FastRing_begin, METH_FASTCALL, "Commit an 'entered' record."},
+    {"complete_now", (PyCFunction)FastRing_complete_now, METH_O, "Complete a record just begun."},
+    {"complete", (PyCFunction)(void (*)(void))FastRing_complete, METH_FASTCALL, "Complete or fail a record."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FastRingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "megatrace.trace._ringfast.FastRing",
+    .tp_basicsize = sizeof(FastRing),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Hot path of the ring writer over a writable buffer (the mmap of a ring file).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FastRing_init,
+    .tp_dealloc = (destructor)FastRing_dealloc,
+    .tp_methods = FastRing_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_ringfast", "C hot path of the MegaTrace ring writer.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ringfast(void)
+{
+    PyObject *m;
+    if (PyType_Ready(&FastRingType) < 0)
+        return NULL;
+    m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&FastRingType);
+    if (PyModule_AddObject(m, "FastRing", (PyObject *)&FastRingType) < 0) {
+        Py_DECREF(&FastRingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,195 @@
+"""The in-process ring writer: fixed-size, memory-mapped, lock-free, crash-safe.
+
+The hot path (:meth:`RingWriter.begin` and :meth:`RingWriter.complete`) packs
+straight into the shared mapping; it takes no lock and allocates no buffer. A
+record's head is written once, with its checksum; completion rewrites only the
+16-byte tail, which has its own checksum, so a writer killed mid-update leaves
+the head intact and the record readable as "entered, completion unknown".
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import mmap
+import os
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatrace.trace import ring_format as fmt
+from megatrace.trace.warnings import warn_once
+
+
+class RingOpenError(OSError):
+    """The ring file could not be created; the message names the path and the reason."""
+
+
+@dataclass(frozen=True)
+class RingIdentity:
+    """Who writes a ring: stored in the header."""
+
+    rank: int
+    world_size: int
+    local_rank: int = -1
+    job_id: str = ""
+    step_id: str = ""
+    host: str = ""
+    pid: int = 0
+
+
+def _encode(text: str, size: int) -> bytes:
+    raw = text.encode("utf-8", "replace")[:size]
+    return raw + b"\x00" * (size - len(raw))
+
+
+class RingWriter:
+    """Writes one rank's records into ``<directory>/rank-NNNNN.ring``."""
+
+    def __init__(self, directory: str | os.PathLike[str], identity: RingIdentity,
+                 capacity: int = fmt.DEFAULT_CAPACITY, use_native: bool = True) -> None:
+        if not fmt.MIN_CAPACITY <= capacity <= fmt.MAX_CAPACITY:
+            raise ValueError(f"ring capacity {capacity} outside [{fmt.MIN_CAPACITY}, {fmt.MAX_CAPACITY}]")
+        self.directory = Path(directory)
+        self.identity = identity
+        self.capacity = capacity
+        self._capacity = capacity
+        self.path = self.directory / fmt.ring_name(identity.rank)
+        self.meta_path = self.directory / fmt.meta_name(identity.rank)
+        self._mm = self._create()
+        self._view = memoryview(self._mm)
+        self._meta_fd = os.open(self.meta_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._next_seq = itertools.count(1).__next__  # atomic under the GIL
+        self.wrapped = False
+        self._first_overwrite = capacity + 1
+        self.native = False
+        if use_native:
+            self._use_native()
+        self.closed = False
+
+    def _use_native(self) -> None:
+        """Swap in the C hot path (same bytes, ~5x faster) when it was built."""
+        if os.environ.get("MEGATRACE_PURE_PYTHON") == "1":
+            return
+        try:
+            from megatrace.trace._ringfast import FastRing  # type: ignore[import-not-found]
+        except ImportError:
+            return
+        fast = FastRing(self._mm, self.capacity, on_wrap=self._on_wrap)
+        self.begin = fast.begin  # type: ignore[method-assign]
+        self.complete = fast.complete  # type: ignore[method-assign]
+        self.complete_now = fast.complete_now  # type: ignore[method-assign]
+        self.native = True
+
+    # -- creation ---------------------------------------------------------
+    def _create(self) -> mmap.mmap:
+        size = fmt.file_size(self.capacity)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():  # a previous attempt of the same rank: keep it, never overwrite
+                n = 1
+                while self.path.with_name(f"{self.path.name}.{n}").exists():
+                    n += 1
+                self.path.rename(self.path.with_name(f"{self.path.name}.{n}"))
+                if self.meta_path.exists():
+                    self.meta_path.rename(self.meta_path.with_name(f"{self.meta_path.name}.{n}"))
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise RingOpenError(exc.errno, f"cannot create ring file {self.path}: {exc.strerror}") from None
+        try:
+            # Reserve the blocks now: a sparse file on a full tmpfs would SIGBUS the trainer later.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            raise RingOpenError(exc.errno, f"cannot reserve {size} bytes for ring file {self.path}: "
+                                           f"{exc.strerror}") from None
+        os.close(fd)
+        ident = self.identity
+        wall, mono = time.time_ns(), time.monotonic_ns()
+        static = fmt.HEADER_STATIC.pack(
+            fmt.MAGIC, fmt.VERSION, fmt.HEADER_SIZE, fmt.RECORD_SIZE, self.capacity,
+            ident.rank, ident.local_rank, ident.world_size, ident.pid or os.getpid(),
+            wall, mono, 0,
+            _encode(ident.job_id, 64), _encode(ident.step_id, 32),
+            _encode(ident.host or socket.gethostname(), 64), b"\x00" * 28)
+        mm[0:len(static)] = static
+        fmt.HEADER_CHECK.pack_into(mm, fmt.HEADER_CHECK_OFFSET, fmt.header_check(static))
+        fmt.WRITE_COUNTER.pack_into(mm, fmt.WRITE_COUNTER_OFFSET, 0)
+        fmt.WRITER_STATE.pack_into(mm, fmt.WRITER_STATE_OFFSET, fmt.WriterState.OPEN)
+        return mm
+
+    # -- hot path ---------------------------------------------------------
+    # Struct methods and clocks are bound as default arguments: each global or
+    # attribute lookup saved is ~20 ns on a path that runs for every collective.
+    def begin(self, op: int, group_id: int, group_seq: int, nbytes: int, peer: int = -1,
+              dtype: int = 0, flags: int = 0, *, _now=time.monotonic_ns, _pack=fmt.RECORD.pack_into,
+              _pack_check=fmt.HEAD_CHECK.pack_into, _pack_counter=fmt.WRITE_COUNTER.pack_into,
+              _adler=zlib.adler32, _prime=fmt.TAIL_PRIME) -> tuple[int, int]:
+        """Commit an 'entered' record; returns the handle passed to :meth:`complete`."""
+        seq = self._next_seq()
+        idx = (seq - 1) % self._capacity
+        off = 4096 + (idx << 6)
+        mm = self._mm
+        # tail (t_complete=0, state=ENQUEUED) checksum: see ring_format.tail_check
+        _pack(mm, off, seq, group_seq, _now(), nbytes, group_id, peer, op, dtype, flags, 0,
+              0, 1, (1 << 64 | (seq & 0xFFFFFFFF) << 96) % _prime)
+        _pack_check(mm, off + 44, _adler(mm[off:off + 44]))
+        _pack_counter(mm, 256, seq)
+        if seq == self._first_overwrite:
+            self._on_wrap(seq)
+        return off, seq
+
+    def complete_now(self, handle: tuple[int, int], *, _now=time.monotonic_ns,
+                     _pack=fmt.RECORD_TAIL.pack_into, _prime=fmt.TAIL_PRIME) -> None:
+        """Complete a record from the thread that began it, right after the call returned.
+
+        Skips :meth:`complete`'s wrap check: no other record of this thread came in between.
+        """
+        off, seq = handle
+        t = _now()
+        _pack(self._mm, off + 48, t, 2, (t | 2 << 64 | (seq & 0xFFFFFFFF) << 96) % _prime)
+
+    def complete(self, handle: tuple[int, int], state: int = 2, *, _now=time.monotonic_ns,
+                 _pack=fmt.RECORD_TAIL.pack_into, _seq_at=fmt.RECORD_SEQ.unpack_from,
+                 _prime=fmt.TAIL_PRIME) -> None:
+        """Mark the record as completed (state 2) or failed (state 3), timestamped now."""
+        off, seq = handle
+        if _seq_at(self._mm, off)[0] != seq:
+            return  # the ring wrapped past this record while it was outstanding
+        t = _now()
+        _pack(self._mm, off + 48, t, state, (t | state << 64 | (seq & 0xFFFFFFFF) << 96) % _prime)
+
+    def _on_wrap(self, seq: int) -> None:
+        if self.wrapped:
+            return
+        self.wrapped = True
+        warn_once("ring-wrap", f"ring {self.path} is full after {seq - 1} records; it now wraps and "
+                               "overwrites the oldest records (raise MEGATRACE_RING_RECORDS to keep more)")
+
+    # -- cold path --------------------------------------------------------
+    def write_meta(self, kind: str, **fields: object) -> None:
+        """Append one JSON line (group creation, job facts) to the rank's meta file."""
+        line = json.dumps({"kind": kind, "t_mono_ns": time.monotonic_ns(), **fields},
+                          separators=(",", ":"), default=str) + "\n"
+        os.write(self._meta_fd, line.encode())
+
+    @property
+    def records_written(self) -> int:
+        return fmt.WRITE_COUNTER.unpack_from(self._mm, fmt.WRITE_COUNTER_OFFSET)[0]
+
+    def close(self) -> None:
+        """Mark the ring closed cleanly. The file stays for the collector."""
+        if self.closed:
+            return
+        self.closed = True
+        fmt.WRITER_STATE.pack_into(self._mm, fmt.WRITER_STATE_OFFSET, fmt.WriterState.CLOSED)
+        os.close(self._meta_fd)
+        # The mapping stays valid until the process exits: late completions from helper
+        # threads may still land. The kernel writes the pages back on unmap.

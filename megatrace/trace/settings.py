@@ -1,0 +1,60 @@
+"""Tracer settings, read from the environment of the traced process (set by the SPANK plugin or ``megatrace run``)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatrace.trace import ring_format as fmt
+from megatrace.trace.warnings import warn_once
+
+ENABLE = "MEGATRACE_ENABLE"
+DIR = "MEGATRACE_DIR"
+JOB_ID = "MEGATRACE_JOB_ID"
+STEP_ID = "MEGATRACE_STEP_ID"
+RING_RECORDS = "MEGATRACE_RING_RECORDS"
+
+
+def enabled(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(ENABLE, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class TracerSettings:
+    """Where and how a rank writes its ring."""
+
+    directory: Path
+    job_id: str
+    step_id: str
+    ring_records: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "TracerSettings":
+        job = env.get(JOB_ID) or env.get("SLURM_JOB_ID") or "local"
+        step = env.get(STEP_ID) or env.get("SLURM_STEP_ID") or ""
+        records = fmt.DEFAULT_CAPACITY
+        raw = env.get(RING_RECORDS)
+        if raw:
+            try:
+                records = int(raw)
+                if not fmt.MIN_CAPACITY <= records <= fmt.MAX_CAPACITY:
+                    raise ValueError
+            except ValueError:
+                records = fmt.DEFAULT_CAPACITY
+                warn_once("ring-records", f"{RING_RECORDS}={raw!r} is not an integer in "
+                                          f"[{fmt.MIN_CAPACITY}, {fmt.MAX_CAPACITY}]; using {records}")
+        directory = env.get(DIR)
+        if not directory:
+            base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+            name = f"{job}.{step}" if step else job
+            directory = str(base / "megatrace" / _safe(name))
+        return cls(Path(directory), job, step, records)
+
+
+def _safe(name: str) -> str:
+    """A path component from job/step ids: no separators, no dot-dot."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return cleaned.strip(".") or "job"
