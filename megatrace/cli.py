@@ -48,7 +48,7 @@ Examples:
               help="Records kept per rank (64 bytes each); older records are overwritten.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(trace_dir: str | None, ring_records: int, command: tuple[str, ...]) -> None:
-    """Run COMMAND with every torch.distributed call traced, without changing it.
+    """Trace every torch.distributed call of COMMAND, with no change to it.
 
     Sets MEGATRACE_ENABLE=1 for COMMAND and every process it starts; each rank then
     writes its ring file when it calls init_process_group.
@@ -62,9 +62,16 @@ def run(trace_dir: str | None, ring_records: int, command: tuple[str, ...]) -> N
         raise MegatraceError(f"cannot run {command[0]!r}: {exc.strerror}") from None
 
 
+@click.command("megatrace-check", context_settings=CONTEXT_SETTINGS)
+@click.version_option(__version__, prog_name="megatrace-check")
 def check_main() -> None:
-    """Entry point of ``megatrace-check`` (preflight health checks; see issue "Preflight health")."""
-    click.echo("megatrace-check: preflight checks are not implemented yet", err=True)
+    """Preflight health checks of GPUs, nodes and the network before a job runs.
+
+    The probes (pynvml GPU checks, node consistency, network bandwidth matrix) are
+    not part of this release yet; this command exits with status 2 so that no
+    prolog mistakes it for a passing check.
+    """
+    click.echo("megatrace-check: no preflight probes in this release; nothing was checked", err=True)
     sys.exit(2)
 
 
