@@ -48,3 +48,14 @@ def test_c_writer_refuses_a_buffer_smaller_than_its_capacity() -> None:
 
     with pytest.raises(ValueError, match="smaller than header"):
         FastRing(bytearray(4096 + 64 * 3), 4)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("args", [(70000, 1, 1, 1), (1, 2**32, 1, 1), (1, 1, -1, 1), (1, 1, 1, 1, 2**31),
+                                  (1, 1, 1, 1, -1, 256), (1, 1, 1, 1, -1, 0, -1)])
+def test_both_writers_reject_out_of_range_fields(tmp_path: Path, native: bool, args: tuple) -> None:
+    import struct
+
+    writer = RingWriter(tmp_path, RingIdentity(rank=0, world_size=1), capacity=16, use_native=native)
+    with pytest.raises((OverflowError, struct.error)):
+        writer.begin(*args)

@@ -46,6 +46,14 @@ class TracerSettings:
                 records = fmt.DEFAULT_CAPACITY
                 warn_once("ring-records", f"{RING_RECORDS}={raw!r} is not an integer in "
                                           f"[{fmt.MIN_CAPACITY}, {fmt.MAX_CAPACITY}]; using {records}")
+            else:
+                # A power of two: adler32 then always tells a slot's old lap from its new one
+                # in a torn live read (see docs/trace-format.md, "Capacity").
+                rounded = 1 << (records - 1).bit_length()
+                if rounded != records:
+                    warn_once("ring-records", f"{RING_RECORDS}={records} rounded up to {rounded}, "
+                                              "a power of two")
+                    records = rounded
         directory = env.get(DIR)
         if not directory:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())

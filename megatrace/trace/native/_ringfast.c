@@ -56,29 +56,51 @@ static void FastRing_dealloc(FastRing *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* begin(op, group_id, group_seq, nbytes, peer=-1, dtype=0, flags=0) -> (offset, seq) */
+/* Parse argument i as an integer in [lo, hi] (unsigned when lo == 0 and hi > INT64_MAX). */
+static int arg_int(PyObject *const *args, Py_ssize_t i, long long lo, long long hi, long long *out)
+{
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(args[i], &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v < lo || v > hi) {
+        PyErr_Format(PyExc_OverflowError, "begin() argument %zd out of range [%lld, %lld]", i + 1, lo, hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int arg_u64(PyObject *const *args, Py_ssize_t i, uint64_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[i]);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* begin(op, group_id, group_seq, nbytes, peer=-1, dtype=0, flags=0) -> (offset, seq)
+ * Ranges as the Python writer's struct: op u16, group_id u32, group_seq and nbytes u64,
+ * peer i32, dtype and flags u8. */
 static PyObject *FastRing_begin(FastRing *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    long long v[7] = {0, 0, 0, 0, -1, 0, 0};
-    unsigned long long nbytes;
+    long long op, group_id, peer = -1, dtype = 0, flags = 0;
+    uint64_t group_seq, nbytes;
     if (nargs < 4 || nargs > 7) {
         PyErr_SetString(PyExc_TypeError, "begin() takes 4 to 7 positional arguments");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (i == 3)
-            continue;
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred())
-            return NULL;
-    }
-    nbytes = PyLong_AsUnsignedLongLong(args[3]);
-    if (nbytes == (unsigned long long)-1 && PyErr_Occurred())
+    if (arg_int(args, 0, 0, 0xffff, &op) < 0 || arg_int(args, 1, 0, 0xffffffffll, &group_id) < 0
+        || arg_u64(args, 2, &group_seq) < 0 || arg_u64(args, 3, &nbytes) < 0
+        || (nargs > 4 && arg_int(args, 4, INT32_MIN, INT32_MAX, &peer) < 0)
+        || (nargs > 5 && arg_int(args, 5, 0, 0xff, &dtype) < 0)
+        || (nargs > 6 && arg_int(args, 6, 0, 0xff, &flags) < 0))
         return NULL;
     uint64_t seq = self->next_seq++;
-    uint64_t off = mt_record_begin((unsigned char *)self->view.buf, self->capacity, seq, (uint64_t)v[2],
-                                   nbytes, (uint32_t)v[1], (int32_t)v[4], (uint16_t)v[0], (uint8_t)v[5],
-                                   (uint8_t)v[6]);
+    uint64_t off = mt_record_begin((unsigned char *)self->view.buf, self->capacity, seq, group_seq, nbytes,
+                                   (uint32_t)group_id, (int32_t)peer, (uint16_t)op, (uint8_t)dtype,
+                                   (uint8_t)flags);
     if (seq == self->capacity + 1 && self->on_wrap != NULL && self->on_wrap != Py_None) {
         PyObject *r = PyObject_CallFunction(self->on_wrap, "K", (unsigned long long)seq);
         if (r == NULL)
