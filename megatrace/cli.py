@@ -62,6 +62,75 @@ def run(trace_dir: str | None, ring_records: int, command: tuple[str, ...]) -> N
         raise MegatraceError(f"cannot run {command[0]!r}: {exc.strerror}") from None
 
 
+@main.command(context_settings=CONTEXT_SETTINGS, epilog="""\b
+Fault specs (steps count from 0):
+  hang:rank=R,step=S[,phase=forward|backward|optimizer]   rank stops before its next collective
+  commhang:rank=R,step=S                                   rank enters a collective, never returns
+  slow:rank=R,factor=F[,from_step=S]                       rank computes F times slower
+  crash:rank=R,step=S                                      rank exits with status 1
+  slowlink:ranks=A-B,delay_ms=D                            p2p between adjacent stages A, B is late
+\b
+Examples:
+  megatrace demo
+  megatrace demo --ranks 8 --tp 2 --pp 2 --steps 20 --fault hang:rank=5,step=3 -o /tmp/demo
+  megatrace demo --ranks 4 --tp 1 --pp 2 --fault slowlink:ranks=0-2,delay_ms=50
+""")
+@click.option("--ranks", type=click.IntRange(1), default=None, help="World size [default: 8, or tp*pp*dp].")
+@click.option("--tp", type=click.IntRange(1), default=2, show_default=True, help="Tensor-parallel size.")
+@click.option("--pp", type=click.IntRange(1), default=2, show_default=True, help="Pipeline-parallel size.")
+@click.option("--dp", type=click.IntRange(1), default=None, help="Data-parallel size [default: ranks/(tp*pp)].")
+@click.option("--steps", type=click.IntRange(1), default=20, show_default=True, help="Training steps.")
+@click.option("--microbatches", type=click.IntRange(1), default=4, show_default=True,
+              help="Microbatches per step (1F1B pipeline schedule).")
+@click.option("--fault", "faults", multiple=True, metavar="SPEC", help="Inject a fault (repeatable; see below).")
+@click.option("-o", "--out", type=click.Path(file_okay=False), default=None,
+              help="Output directory [default: ./megatrace-demo-<timestamp>].")
+@click.option("--no-trace", is_flag=True, help="Run without the tracer (benchmarks).")
+@click.option("--markers", is_flag=True, help="Record step and phase markers (megatrace.step/phase).")
+@click.option("--compute-ms", type=click.FloatRange(0), default=2.0, show_default=True,
+              help="Compute padding per forward (backward: twice this).")
+@click.option("--dp-mode", type=click.Choice(["allreduce", "reduce-scatter"]), default="allreduce",
+              show_default=True, help="Gradient averaging over the DP group.")
+@click.option("--stall-timeout", type=click.FloatRange(0.5), default=10.0, show_default=True,
+              help="Kill every rank after this many seconds without progress.")
+@click.option("--deadline", type=click.FloatRange(1), default=None,
+              help="Kill every rank after this many seconds [default: 60 + 2 per step].")
+def demo(ranks: int | None, tp: int, pp: int, dp: int | None, steps: int, microbatches: int,
+         faults: tuple[str, ...], out: str | None, no_trace: bool, markers: bool, compute_ms: float,
+         dp_mode: str, stall_timeout: float, deadline: float | None) -> None:
+    """Run the built-in 3D-parallel training job on this host, optionally with injected faults.
+
+    A real TP x PP x DP training loop on torch gloo (CPU), one process per rank,
+    traced like any other job. A hung run is killed after --stall-timeout seconds
+    without progress. Exits 0 when the run succeeds or a fault was injected.
+    """
+    from pathlib import Path
+
+    from megatrace.config import LayoutError
+    from megatrace.demo.faults import FaultError
+    from megatrace.demo.launcher import DemoOptions, build_layout, default_out_dir, run_local, summary_lines
+
+    if dp is None:
+        world = 8 if ranks is None else ranks
+        if world % (tp * pp):
+            raise click.BadParameter(f"{world} ranks are not divisible by tp*pp = {tp * pp}", param_hint="--ranks")
+        dp = world // (tp * pp)
+    elif ranks is not None and ranks != tp * pp * dp:
+        raise click.BadParameter(f"{ranks} != tp*pp*dp = {tp}*{pp}*{dp}", param_hint="--ranks")
+    opts = DemoOptions(tp=tp, pp=pp, dp=dp, steps=steps, microbatches=microbatches, faults=faults,
+                       out=Path(out) if out else default_out_dir(), trace=not no_trace, markers=markers,
+                       compute_ms=compute_ms, dp_mode=dp_mode, stall_s=stall_timeout, deadline_s=deadline)
+    try:
+        build_layout(opts)
+    except (LayoutError, FaultError) as exc:
+        raise MegatraceError(str(exc)) from None
+    click.echo(f"demo: {tp * pp * dp} ranks (TP{tp} x PP{pp} x DP{dp}), {steps} steps -> {opts.out}", err=True)
+    result = run_local(opts, log=lambda msg: click.echo(msg, err=True))
+    click.echo("\n".join(summary_lines(result)))
+    if not result.ok and not faults:
+        raise MegatraceError(f"the demo failed without an injected fault: see {result.out / 'logs'}")
+
+
 @click.command("megatrace-check", context_settings=CONTEXT_SETTINGS)
 @click.version_option(__version__, prog_name="megatrace-check")
 def check_main() -> None:

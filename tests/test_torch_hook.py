@@ -71,7 +71,8 @@ def test_every_traced_call_leaves_one_record_with_its_fields(tmp_path: Path) -> 
             by_op.setdefault(r["op"], []).append(r)
         expected_ops = {"all_reduce": Op.ALL_REDUCE, "all_gather": Op.ALL_GATHER,
                         "reduce_scatter_tensor": Op.REDUCE_SCATTER, "broadcast": Op.BROADCAST,
-                        "reduce": Op.REDUCE, "all_to_all_single": Op.ALL_TO_ALL}
+                        "reduce": Op.REDUCE, "all_to_all_single": Op.ALL_TO_ALL, "gather": Op.GATHER,
+                        "scatter": Op.SCATTER}
         for name, op in expected_ops.items():
             assert op in by_op, f"rank {rank}: no record for {name} ({outcome.get(name)})"
             state = by_op[op][0]["state"]
@@ -81,7 +82,8 @@ def test_every_traced_call_leaves_one_record_with_its_fields(tmp_path: Path) -> 
         assert all_reduces[0]["nbytes"] == 16 and all_reduces[0]["dtype"] == 1  # 4 x float32
         gathers = by_op[Op.ALL_GATHER]
         assert len(gathers) == 2 and gathers[1]["flags"] & Flag.TENSOR_API  # into_tensor, recorded once
-        assert by_op[Op.BROADCAST][0]["peer"] == 1 and by_op[Op.REDUCE][0]["peer"] == 1  # roots
+        roots = {op: by_op[op][0]["peer"] for op in (Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER)}
+        assert roots == {Op.BROADCAST: 1, Op.REDUCE: 1, Op.GATHER: 0, Op.SCATTER: 1}
         world_gid = all_reduces[0]["group_id"]
         collectives = [r for r in recs if r["group_id"] == world_gid and not Op(r["op"]).is_p2p]
         assert [r["group_seq"] for r in collectives] == list(range(1, len(collectives) + 1))

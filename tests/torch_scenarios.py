@@ -46,6 +46,9 @@ def every_op() -> None:
     attempt("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2 * WORLD)))
     attempt("broadcast", lambda: dist.broadcast(t, src=1))
     attempt("reduce", lambda: dist.reduce(t, dst=1))
+    attempt("gather", lambda: dist.gather(t, [torch.zeros(4) for _ in range(WORLD)] if RANK == 0 else None,
+                                          dst=0))
+    attempt("scatter", lambda: dist.scatter(torch.zeros(4), [t] * WORLD if RANK == 1 else None, src=1))
     attempt("all_to_all_single", lambda: dist.all_to_all_single(torch.zeros(4), torch.ones(4)))
     attempt("barrier", lambda: dist.barrier())
     peer = 1 - RANK

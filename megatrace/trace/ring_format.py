@@ -74,6 +74,8 @@ class Op(enum.IntEnum):
     BARRIER = 7
     SEND = 8
     RECV = 9
+    GATHER = 10
+    SCATTER = 11
     # Markers written by megatrace.step() / megatrace.phase(); group_id is 0.
     MARK_STEP = 100  # group_seq = step number
     MARK_PHASE = 101  # dtype = Phase code, peer = microbatch (-1 if none), group_seq = step

@@ -63,6 +63,8 @@ OP_SPECS: dict[str, OpSpec] = {
     "all_gather_single": OpSpec(Op.ALL_GATHER, "input_tensor", flags=_T),
     "reduce_scatter_single": OpSpec(Op.REDUCE_SCATTER, "output", flags=_T),
     "all_reduce_coalesced": OpSpec(Op.ALL_REDUCE, "tensors"),
+    "gather": OpSpec(Op.GATHER, "tensor", root="dst", group_root="group_dst"),
+    "scatter": OpSpec(Op.SCATTER, "tensor", root="src", group_root="group_src"),
     "all_to_all": OpSpec(Op.ALL_TO_ALL, "input_tensor_list"),
     "all_to_all_single": OpSpec(Op.ALL_TO_ALL, "input", flags=_T),
     "barrier": OpSpec(Op.BARRIER, None),
