@@ -113,8 +113,19 @@ def allreduce_cost(calls: int, rounds: int) -> tuple[float, float]:
     return statistics.median(res["untraced"]), statistics.median(res["traced"])
 
 
+def _step_times(out: Path, skip: int) -> list[float]:
+    """Per-step wall time of every rank's steps after the first ``skip`` (warm-up) steps."""
+    times = []
+    for path in sorted((out / "metrics").glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["step"] >= skip:
+                times.append(entry["step_time_s"])
+    return times
+
+
 def demo_step_times(steps: int, repeats: int) -> tuple[float, float]:
-    """Median step time (s) of the 8-rank demo, untraced vs traced, runs alternating."""
+    """Median step time (s) of the 8-rank TP2·PP2·DP2 demo, untraced vs traced, runs alternating."""
     from megatrace.demo.launcher import DemoOptions, run_local
 
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -122,11 +133,10 @@ def demo_step_times(steps: int, repeats: int) -> tuple[float, float]:
         for i in range(repeats):
             for trace in (False, True):
                 out = Path(tmp) / f"run{i}-{'traced' if trace else 'untraced'}"
-                result = run_local(DemoOptions(ranks=8, tp=2, pp=2, dp=2, steps=steps, out_dir=out,
-                                               trace=trace))
+                result = run_local(DemoOptions(tp=2, pp=2, dp=2, steps=steps, out=out, trace=trace))
                 if not result.ok:
-                    raise SystemExit(f"demo run failed: {result.summary}")
-                times[trace].extend(result.step_times(skip=2))
+                    raise SystemExit(f"demo run failed: {result.message}")
+                times[trace].extend(_step_times(out, skip=2))
     return statistics.median(times[False]), statistics.median(times[True])
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 import sys
 import time
 from pathlib import Path
@@ -113,11 +114,11 @@ def groups_and_markers() -> None:
 def async_poll() -> None:
     """Gloo async works completed through the poller (the CPU twin of the device-event path)."""
     from megatrace.trace.completion import CompletionPoller
-    from megatrace.trace.torch_hook import TRACER
+    from megatrace.trace.torch_hook import TRACER, _work_probe
 
     dist.init_process_group("gloo")
     writer = TRACER.writer
-    poller = CompletionPoller(writer.complete)
+    poller = CompletionPoller()
     t = torch.ones(4)
     handles = []
     for i in range(5):
@@ -125,7 +126,7 @@ def async_poll() -> None:
         if RANK == 1:
             time.sleep(0.05)  # rank 0's works stay incomplete for a while
         work = dist.all_reduce.__wrapped__(t, async_op=True)  # the untraced original
-        poller.add(handle, work.is_completed)
+        poller.add(_work_probe(work), partial(writer.complete, handle))
         handles.append((handle, work))
     for _, work in handles:
         work.wait()

@@ -1,9 +1,16 @@
-"""Completion tracking for operations whose end the caller does not wait for.
+"""Completion tracking for operations whose end the caller does not wait for inside the traced call.
 
-A CPU (gloo) async op reports completion through its future's callback. A
-device op (NCCL) is complete when a device event or the work says so; nothing
-calls us then, so one daemon thread polls the outstanding probes. The caller
-never blocks: it only appends to a deque.
+Three sources, most precise first (the tracer picks per call, see torch_hook):
+
+* a CPU collective's future calls back when the work ends (exact);
+* a gloo point-to-point work has no future: its completion is taken when the
+  program's ``wait()`` returns (exact for the usual isend/irecv + wait), and a
+  slow sweep catches works nobody waits for;
+* a device (NCCL) op ends on the GPU: a daemon thread polls its event or work,
+  starting at 0.5 ms and backing off while nothing finishes, so an idle trainer
+  is not woken a thousand times a second.
+
+The caller never blocks: registering an op is a deque append.
 """
 
 from __future__ import annotations
@@ -16,36 +23,38 @@ from megatrace.trace import ring_format as fmt
 from megatrace.trace.warnings import warn_once
 
 Handle = tuple[int, int]
-Probe = Callable[[], bool]  # True once the operation has completed; may raise if it failed
+Probe = Callable[[], bool]  # True once the operation has completed; raises if it failed
+Finish = Callable[[int], None]  # record the final state
 
 
 class CompletionPoller:
-    """Polls ``probe()`` for each outstanding operation and records its completion."""
+    """Polls ``probe()`` for each outstanding operation and calls ``finish(state)`` once it is done."""
 
-    def __init__(self, complete: Callable[[Handle, int], None], interval_s: float = 0.0005,
-                 on_done: Callable[[object], None] | None = None) -> None:
-        self._complete = complete
-        self._interval = interval_s
-        self._on_done = on_done  # e.g. return a device event to its pool
-        self._incoming: collections.deque[tuple[Handle, Probe, object]] = collections.deque()
+    def __init__(self, min_interval_s: float = 0.0005, max_interval_s: float = 0.004,
+                 name: str = "megatrace-completion") -> None:
+        self._min = min_interval_s
+        self._max = max_interval_s
+        self._name = name
+        self._incoming: collections.deque[tuple[Probe, Finish]] = collections.deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._outstanding = 0
 
-    def add(self, handle: Handle, probe: Probe, token: object = None) -> None:
-        """Track one operation; ``token`` is handed to ``on_done`` when it completes."""
-        self._incoming.append((handle, probe, token))
+    def add(self, probe: Probe, finish: Finish) -> None:
+        """Track one operation."""
+        self._incoming.append((probe, finish))
         if self._thread is None:
             self._start()
         self._wake.set()
 
     def _start(self) -> None:
-        thread = threading.Thread(target=self._run, name="megatrace-completion", daemon=True)
+        thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread = thread
         thread.start()
 
     def pending(self) -> int:
-        return len(self._incoming)
+        return len(self._incoming) + self._outstanding
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """Stop polling; waits briefly so no probe runs while the process tears its groups down."""
@@ -55,30 +64,33 @@ class CompletionPoller:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        pending: list[tuple[Handle, Probe, object]] = []
+        pending: list[tuple[Probe, Finish]] = []
+        interval = self._min
         while not self._stopped:
-            while self._incoming:
-                pending.append(self._incoming.popleft())
+            if self._incoming:
+                interval = self._min
+                while self._incoming:
+                    pending.append(self._incoming.popleft())
             if not pending:
+                self._outstanding = 0
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
-            still: list[tuple[Handle, Probe, object]] = []
-            for item in pending:
-                handle, probe, token = item
+            still: list[tuple[Probe, Finish]] = []
+            for probe, finish in pending:
                 try:
                     done, state = probe(), fmt.State.COMPLETED
                 except Exception:  # noqa: BLE001 - the operation itself failed
                     done, state = True, fmt.State.FAILED
                 if not done:
-                    still.append(item)
+                    still.append((probe, finish))
                     continue
                 try:
-                    self._complete(handle, state)
-                    if self._on_done is not None:
-                        self._on_done(token)
+                    finish(int(state))
                 except Exception as exc:  # noqa: BLE001 - never let the thread die
                     warn_once("poller", f"completion tracking failed: {exc!r}")
+            interval = self._min if len(still) < len(pending) else min(interval * 2, self._max)
             pending = still
-            self._wake.wait(self._interval)
+            self._outstanding = len(pending)
+            self._wake.wait(interval)
             self._wake.clear()

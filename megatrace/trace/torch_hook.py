@@ -98,7 +98,9 @@ class Tracer:
         self.batch: list[Handle] | None = None  # handles of p2p ops inside batch_isend_irecv
         self.c10d: Any = None
         self.torch: Any = None
-        self._poller: CompletionPoller | None = None
+        self.waits: dict[Any, Handle] = {}  # gloo p2p works without a future -> their record
+        self._device_poller: CompletionPoller | None = None
+        self._sweeper: CompletionPoller | None = None
         self._events: list[Any] = []  # free device events
         self.step = -1
 
@@ -132,8 +134,9 @@ class Tracer:
         atexit.register(self.shutdown)
 
     def shutdown(self) -> None:
-        if self._poller is not None:
-            self._poller.stop()
+        for poller in (self._device_poller, self._sweeper):
+            if poller is not None:
+                poller.stop()
         if self.writer is not None:
             self.writer.close()
 
@@ -164,6 +167,18 @@ class Tracer:
             self.groups[None] = gt
         return gt
 
+    def forget(self, group: Any) -> None:
+        """Drop our references to destroyed groups, so torch tears them down when it means to.
+
+        Holding a destroyed gloo group until interpreter exit lets its threads be torn down
+        during finalization, which aborts the process ('terminate called ...')."""
+        if group is None:
+            self.groups.clear()
+        else:
+            gt = self.groups.pop(group, None)
+            if gt is not None and self.groups.get(None) is gt:
+                del self.groups[None]
+
     # -- completion -------------------------------------------------------
     def _future_done(self, handle: Handle, fut: Any) -> None:
         try:
@@ -175,42 +190,70 @@ class Tracer:
         if writer is not None:
             writer.complete(handle, state)
 
-    def poller(self) -> CompletionPoller:
-        if self._poller is None:
-            assert self.writer is not None
-            self._poller = CompletionPoller(self.writer.complete, on_done=self._release_event)
-        return self._poller
+    def device_poller(self) -> CompletionPoller:
+        if self._device_poller is None:
+            self._device_poller = CompletionPoller(name="megatrace-device-completion")
+        return self._device_poller
 
-    def _release_event(self, token: Any) -> None:
-        if token is not None:
-            self._events.append(token)
+    def sweeper(self) -> CompletionPoller:
+        """Catches works nobody waits for; slow, because wait() normally gets there first."""
+        if self._sweeper is None:
+            self._sweeper = CompletionPoller(0.05, 0.05, name="megatrace-sweeper")
+        return self._sweeper
+
+    def finish_wait(self, work: Any, state: int) -> None:
+        """Record a waited work's completion, once, whoever (wait() or the sweeper) sees it first."""
+        handle = self.waits.pop(work, None)
+        if handle is not None and self.writer is not None:
+            self.writer.complete(handle, state)
+
+    def _event_done(self, handle: Handle, event: Any, state: int) -> None:
+        self.writer.complete(handle, state)  # type: ignore[union-attr]
+        self._events.append(event)
 
     def track(self, handle: Handle, work: Any, device: bool) -> None:
         """Record completion of an op the caller did not wait for (or whose device work is still running)."""
+        writer = self.writer
+        assert writer is not None
         if work is None and self.batch is not None:
             self.batch.append(handle)  # coalesced: completes with the batch's works
             return
         if device:
             if work is not None and hasattr(work, "is_completed"):
-                self.poller().add(handle, work.is_completed)
+                self.device_poller().add(_work_probe(work), partial(writer.complete, handle))
             else:  # a blocking device call returned after enqueue: time it with an event on the stream
                 event = self._events.pop() if self._events else self.torch.cuda.Event()
                 event.record()
-                self.poller().add(handle, event.query, event)
+                self.device_poller().add(event.query, partial(self._event_done, handle, event))
             return
         if work is None:
-            self.writer.complete(handle)  # type: ignore[union-attr]
+            writer.complete(handle)
             return
         try:
-            work.get_future().add_done_callback(partial(self._future_done, handle))
-        except Exception:  # noqa: BLE001 - backend without futures: poll the work
-            self.poller().add(handle, work.is_completed)
+            future = work.get_future()
+        except Exception:  # noqa: BLE001 - gloo p2p works have no future: wait() records them
+            self.waits[work] = handle
+            self.sweeper().add(_work_probe(work), partial(self.finish_wait, work))
+            return
+        future.add_done_callback(partial(self._future_done, handle))
 
     def internal_error(self, exc: BaseException) -> None:
         warn_once(f"internal:{type(exc).__name__}", f"tracer error ignored, training goes on: {exc!r}")
 
 
 TRACER = Tracer()
+
+
+def _work_probe(work: Any) -> Any:
+    """A poller probe for a Work: False while running, True when done, raises if it failed."""
+    def probe() -> bool:
+        if not work.is_completed():
+            return False
+        if work.exception() is not None:  # gloo marks a failed p2p work completed, with an exception
+            raise RuntimeError("work failed")
+        return True
+
+    return probe
 
 
 # -- wrappers -------------------------------------------------------------------
@@ -329,12 +372,32 @@ def _make_batch_wrapper(orig: Any, tracer: Tracer) -> Any:
     return batch_isend_irecv
 
 
+def _make_wait_wrapper(orig: Any, tracer: Tracer) -> Any:
+    """Work.wait: the moment a program learns that a future-less (gloo p2p) work has ended."""
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = orig(self, *args, **kwargs)
+        except BaseException:
+            if tracer.waits:
+                tracer.finish_wait(self, _FAILED)
+            raise
+        if tracer.waits:
+            tracer.finish_wait(self, _COMPLETED)
+        return result
+
+    wait.__doc__ = orig.__doc__
+    wait._megatrace = True  # type: ignore[attr-defined]
+    return wait
+
+
 def _make_lifecycle_wrapper(orig: Any, tracer: Tracer, after: str) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = orig(*args, **kwargs)
         try:
             if after == "init":
                 tracer.start()
+            elif after == "destroy":
+                tracer.forget(args[0] if args else kwargs.get("group"))
             elif tracer.writer is not None and result is not None:
                 tracer.resolve(result)
         except Exception as exc:  # noqa: BLE001
@@ -396,13 +459,16 @@ def install(c10d: Any = None) -> bool:
                                              "it is not traced")
             continue
         replaced[name] = _make_wrapper(name, orig, spec, tracer, dtypes)
+    work_type = getattr(c10d, "Work", None)
+    if work_type is not None and not getattr(work_type.wait, "_megatrace", False):
+        work_type.wait = _make_wait_wrapper(work_type.wait, tracer)
     if hasattr(c10d, "batch_isend_irecv"):
         replaced["batch_isend_irecv"] = _make_batch_wrapper(c10d.batch_isend_irecv, tracer)
     for name in ("init_process_group",):
         replaced[name] = _make_lifecycle_wrapper(getattr(c10d, name), tracer, "init")
-    for name in ("new_group",):
+    for name, after in (("new_group", "group"), ("destroy_process_group", "destroy")):
         if hasattr(c10d, name):
-            replaced[name] = _make_lifecycle_wrapper(getattr(c10d, name), tracer, "group")
+            replaced[name] = _make_lifecycle_wrapper(getattr(c10d, name), tracer, after)
     for name, wrapper in replaced.items():
         orig = getattr(c10d, name)
         setattr(c10d, name, wrapper)
