@@ -131,6 +131,60 @@ def demo(ranks: int | None, tp: int, pp: int, dp: int | None, steps: int, microb
         raise MegatraceError(f"the demo failed without an injected fault: see {result.out / 'logs'}")
 
 
+@main.command(context_settings=CONTEXT_SETTINGS, epilog="""\b
+Examples:
+  megatrace analyze megatrace-demo-hang/
+  megatrace analyze traces/ --tp 8 --pp 4 --json out/findings.json
+  megatrace analyze traces/ --fail-on error || echo "job needs attention"
+
+\b
+Exit status:
+  0  analysis done, nothing at or above --fail-on (or no --fail-on)
+  1  the directory is not a readable trace, or a layout file is invalid
+  2  bad command-line usage
+  3  a finding at or above --fail-on severity
+""")
+@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--layout", "layout_file", type=click.Path(dir_okay=False, exists=True),
+              help="Parallel layout YAML [default: DIR/layout.yaml when present].")
+@click.option("--tp", type=click.IntRange(1), help="Tensor-parallel size (instead of --layout).")
+@click.option("--pp", type=click.IntRange(1), help="Pipeline-parallel size (instead of --layout).")
+@click.option("--dp", type=click.IntRange(1), help="Data-parallel size [default: world / (tp*pp)].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Where to write the findings [default: DIR/findings.json].")
+@click.option("--fail-on", type=click.Choice(["critical", "error", "warning", "info"]), default=None,
+              help="Exit with status 3 when a finding of this severity or worse exists.")
+def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
+            json_path: str | None, fail_on: str | None) -> None:
+    """Analyze a trace directory: name the rank, group or link that hung or failed the job.
+
+    TRACE_DIR holds the ring files (in TRACE_DIR/rings/ or directly), and optionally
+    layout.yaml and procs.json. The verdict is printed first; every finding goes to
+    findings.json (schema: docs/findings-schema.md).
+    """
+    from megatrace.analyze.engine import LayoutSpec, analyze as run_analysis
+    from megatrace.analyze.findings import Severity
+    from megatrace.analyze.load import TraceLoadError
+    from megatrace.analyze.summary import render_summary
+    from megatrace.config import LayoutError
+
+    if layout_file and (tp or pp or dp):
+        raise click.UsageError("give either --layout or --tp/--pp/--dp, not both")
+    layout = layout_file or (LayoutSpec(tp, pp, dp) if (tp or pp or dp) else None)
+    try:
+        result = run_analysis(trace_dir, layout=layout)
+    except (TraceLoadError, LayoutError) as exc:
+        raise MegatraceError(str(exc)) from None
+    click.echo(render_summary(result))
+    target = json_path or os.path.join(trace_dir, "findings.json")
+    try:
+        click.echo(f"findings: {result.write_json(target)}", err=True)
+    except OSError as exc:
+        raise MegatraceError(f"cannot write {target}: {exc.strerror}") from None
+    if fail_on and result.at_least(Severity.parse(fail_on)):
+        sys.exit(3)
+
+
 @click.command("megatrace-check", context_settings=CONTEXT_SETTINGS)
 @click.version_option(__version__, prog_name="megatrace-check")
 def check_main() -> None:

@@ -1,0 +1,195 @@
+"""Synthetic ring traces at scale, written straight into the ring format with numpy, and an analysis timer.
+
+    python bench/synth_trace.py --ranks 4096 [--tp 8] [--pp 8] [--records 2000] [--hang RANK] [-o DIR] [--keep]
+
+Every rank runs the same step: per microbatch a forward (recv from the previous
+stage, two TP all-reduces, send to the next) then the backwards in the other
+direction, then one DP all-reduce. With ``--hang R`` rank R stops before its
+first TP all-reduce of the last step; a small simulator decides, for every
+other rank, which call it ends up blocked in (rendezvous send/recv,
+collectives complete when all members are there). Then it loads and analyses
+the trace and prints the time of each stage and the peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megatrace.config import Layout, save_layout
+from megatrace.trace import ring_format as fmt
+from megatrace.trace.ring_reader import RECORD_DTYPE, head_checks, tail_checks
+
+MS = 1_000_000
+STEP_NS = 100 * MS
+WALL0, MONO0 = 1_700_000_000 * 10**9, 10**12
+TP_AR, DP_AR, SEND, RECV = int(fmt.Op.ALL_REDUCE), int(fmt.Op.ALL_REDUCE), int(fmt.Op.SEND), int(fmt.Op.RECV)
+
+
+def gid(layout: Layout, kind: str, rank: int) -> int:
+    """A group id per (kind, lowest member): tp 1xxxxxxx, pp 2xxxxxxx, dp 3xxxxxxx."""
+    return {"tp": 10_000_000, "pp": 20_000_000, "dp": 30_000_000}[kind] + layout.group_of(kind, rank)[0]
+
+
+def step_ops(layout: Layout, rank: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """One step of ``rank`` as (kind, group id, peer): kind in tp, dp, send, recv."""
+    c = layout.coords(rank)
+    tp_gid, pp_gid, dp_gid = (gid(layout, k, rank) for k in ("tp", "pp", "dp"))
+    prev = layout.rank_of(c.pp - 1, c.dp, c.tp) if c.pp > 0 else None
+    nxt = layout.rank_of(c.pp + 1, c.dp, c.tp) if c.pp < layout.pp - 1 else None
+    ops: list[tuple[str, int, int]] = []
+    for _ in range(microbatches):
+        ops += [("recv", pp_gid, prev)] if prev is not None else []
+        ops += [("tp", tp_gid, -1), ("tp", tp_gid, -1)]
+        ops += [("send", pp_gid, nxt)] if nxt is not None else []
+    for _ in range(microbatches):
+        ops += [("recv", pp_gid, nxt)] if nxt is not None else []
+        ops += [("tp", tp_gid, -1), ("tp", tp_gid, -1)]
+        ops += [("send", pp_gid, prev)] if prev is not None else []
+    return ops + [("dp", dp_gid, -1)]
+
+
+def simulate_last_step(layout: Layout, plans: dict[int, list], hung: int) -> dict[int, int]:
+    """Index of the op each rank is blocked in (== len: finished the step); the hung rank never enters it."""
+    stop = {r: len(p) for r, p in plans.items()}
+    stop[hung] = next(k for k, op in enumerate(plans[hung]) if op[0] == "tp")
+    pos = {r: 0 for r in plans}
+    count: dict[tuple, int] = {}  # (rank, kind, gid, peer) -> calls completed so far, to match instances
+    members = {}
+    for r in plans:
+        for kind in ("tp", "dp"):
+            members[(r, kind)] = layout.group_of(kind, r)
+    progress = True
+    while progress:
+        progress = False
+        for r, plan in plans.items():
+            while pos[r] < stop[r]:
+                kind, gid, peer = plan[pos[r]]
+                if kind in ("tp", "dp"):
+                    key = (kind, gid)
+                    mine = count.get((r,) + key, 0)
+                    ready = all(pos[m] < stop[m] and plans[m][pos[m]][:2] == (kind, gid)
+                                and count.get((m,) + key, 0) == mine for m in members[(r, kind)])
+                    if not ready:
+                        break
+                    for m in members[(r, kind)]:
+                        count[(m,) + key] = mine + 1
+                        pos[m] += 1
+                else:
+                    other = "recv" if kind == "send" else "send"
+                    if not (pos[peer] < stop[peer] and plans[peer][pos[peer]] == (other, gid, r)):
+                        break
+                    pos[r] += 1
+                    pos[peer] += 1
+                progress = True
+    return {r: pos[r] if r != hung else stop[r] for r in plans}
+
+
+def write_ring(path: Path, rank: int, world: int, ops: list[tuple[str, int, int]], times: np.ndarray,
+               done: np.ndarray) -> None:
+    """Write one ring file: header, then records with both checksums, as the writer would."""
+    n = len(ops)
+    cap = 1 << max(4, (n - 1).bit_length())
+    rec = np.zeros(n, RECORD_DTYPE)
+    rec["seq"] = np.arange(1, n + 1)
+    kinds = [o[0] for o in ops]
+    rec["op"] = [SEND if k == "send" else RECV if k == "recv" else TP_AR for k in kinds]
+    rec["group_id"] = [o[1] for o in ops]
+    rec["peer"] = [o[2] for o in ops]
+    seqs, counters = [], {}
+    for k, gid, peer in ops:
+        key = (k, gid, peer)
+        counters[key] = counters.get(key, 0) + 1
+        seqs.append(counters[key])
+    rec["group_seq"] = seqs
+    rec["nbytes"] = np.where(rec["op"] == TP_AR, 1 << 20, 1 << 18)
+    rec["dtype"] = int(fmt.Dtype.BFLOAT16)
+    rec["t_enqueue"] = MONO0 + times
+    rec["t_complete"] = np.where(done, MONO0 + times + MS // 2, 0)
+    rec["state"] = np.where(done, int(fmt.State.COMPLETED), int(fmt.State.ENQUEUED))
+    raw = rec.view(np.uint8).reshape(n, fmt.RECORD_SIZE)
+    rec["head_check"] = head_checks(raw)
+    rec["tail_check"] = tail_checks(raw.view("<u4"))
+    body = np.zeros(cap, RECORD_DTYPE)
+    body[:n] = rec
+    static = fmt.HEADER_STATIC.pack(fmt.MAGIC, fmt.VERSION, fmt.HEADER_SIZE, fmt.RECORD_SIZE, cap, rank, rank % 8,
+                                    world, 100000 + rank, WALL0, MONO0, 0, b"synthetic".ljust(64, b"\0"),
+                                    b"0".ljust(32, b"\0"), f"node{rank // 8:05d}".encode().ljust(64, b"\0"),
+                                    b"\0" * 28)
+    header = bytearray(fmt.HEADER_SIZE)
+    header[:len(static)] = static
+    fmt.HEADER_CHECK.pack_into(header, fmt.HEADER_CHECK_OFFSET, fmt.header_check(static))
+    fmt.WRITE_COUNTER.pack_into(header, fmt.WRITE_COUNTER_OFFSET, n)
+    fmt.WRITER_STATE.pack_into(header, fmt.WRITER_STATE_OFFSET, int(fmt.WriterState.OPEN))
+    with open(path, "wb") as fh:
+        fh.write(header)
+        fh.write(body.tobytes())
+
+
+def generate(out: Path, ranks: int, tp: int, pp: int, records: int, microbatches: int, hung: int | None) -> Layout:
+    layout = Layout(world_size=ranks, tp=tp, pp=pp, dp=ranks // (tp * pp), microbatches=microbatches).validate()
+    rings = out / "rings"
+    rings.mkdir(parents=True, exist_ok=True)
+    plans = {r: step_ops(layout, r, microbatches) for r in range(ranks)}
+    longest = max(len(p) for p in plans.values())
+    steps = max(2, records // longest)
+    blocked = simulate_last_step(layout, plans, hung) if hung is not None else None
+    for r in range(ranks):
+        plan = plans[r]
+        per_step = len(plan)
+        n_full = steps - 1 if blocked is not None else steps
+        last = plan[:blocked[r] + (1 if blocked[r] < per_step and r != hung else 0)] if blocked is not None else []
+        ops = plan * n_full + last
+        k = np.arange(len(ops))
+        times = (k // per_step) * STEP_NS + (k % per_step) * (STEP_NS // (per_step + 1))
+        done = np.ones(len(ops), bool)
+        if blocked is not None and r != hung and blocked[r] < per_step:
+            done[-1] = False
+        write_ring(rings / fmt.ring_name(r), r, ranks, ops, times, done)
+        meta = [{"kind": "group", "gid": gid(layout, k, r), "name": f"{k}{layout.group_of(k, r)[0]}", "desc": k,
+                 "ranks": layout.group_of(k, r)} for k in ("tp", "pp", "dp")]
+        (rings / fmt.meta_name(r)).write_text("".join(json.dumps(m) + "\n" for m in meta))
+    save_layout(layout, out / "layout.yaml")
+    return layout
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4096)
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--pp", type=int, default=8)
+    p.add_argument("--records", type=int, default=2000, help="records per rank (about)")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--hang", type=int, default=None, help="rank that stops in the last step")
+    p.add_argument("-o", "--out", type=Path, default=None)
+    p.add_argument("--keep", action="store_true", help="keep the generated trace")
+    args = p.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="megatrace-synth-"))
+    t0 = time.perf_counter()
+    generate(out, args.ranks, args.tp, args.pp, args.records, args.microbatches, args.hang)
+    print(f"generated {args.ranks} ranks in {time.perf_counter() - t0:.1f} s -> {out}", file=sys.stderr)
+
+    from megatrace.analyze.engine import analyze
+
+    result = analyze(out)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"ranks {args.ranks}, records {len(result.trace.records):,}, "
+          f"instances {len(result.match.collectives):,}, pairs {result.match.index.n_pairs:,}")
+    print("timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items()))
+    print(f"peak RSS {peak_mib:.0f} MiB")
+    print(f"verdict: {result.findings[0].verdict}")
+    if not args.keep and args.out is None:
+        shutil.rmtree(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The analysis facade: ``analyze(trace_dir) -> AnalysisResult``, one call per analyzer.
+
+Pipeline: load → index (matching keys) → clock alignment → match → hang
+wait-for graph → findings. Further analyzers (critical path, stragglers, the
+rules engine) plug in as :data:`STAGES`: each is a function of the
+:class:`AnalysisContext` that returns findings and may leave results in
+``context.results`` for the stages after it (the rules engine runs last and
+sees every finding so far).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatrace.analyze import explain
+from megatrace.analyze.clock import ClockAlignment, align_clocks
+from megatrace.analyze.findings import Finding, Severity, findings_document, order_findings, write_findings_json
+from megatrace.analyze.hang import HangAnalysis, analyze_hangs
+from megatrace.analyze.index import index_records
+from megatrace.analyze.load import fit_layout, load_trace
+from megatrace.analyze.match import MatchResult, match
+from megatrace.analyze.traceset import LoadProblem, TraceSet
+from megatrace.config import Layout, LayoutError
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """TP/PP/DP sizes from the command line; a missing one is derived from the trace's world size."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+
+    def resolve(self, world_size: int) -> Layout:
+        """tp and pp default to 1; dp (or pp, when only dp is given) is what the world size leaves."""
+        tp = self.tp or 1
+        if self.dp is not None and self.pp is not None:
+            pp, dp = self.pp, self.dp
+        else:
+            rest = tp * (self.pp or 1 if self.dp is None else self.dp)
+            if world_size % rest:
+                raise LayoutError(f"--tp/--pp/--dp sizes (product {rest}) do not divide the trace's world size "
+                                  f"{world_size}")
+            pp, dp = (self.pp or 1, world_size // rest) if self.dp is None else (world_size // rest, self.dp)
+        return Layout(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp).validate("--tp/--pp/--dp")
+
+
+@dataclass
+class AnalysisContext:
+    """What every stage sees: the trace and the results of the stages before it."""
+
+    trace: TraceSet
+    clock: ClockAlignment
+    match: MatchResult
+    findings: list[Finding] = field(default_factory=list)
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+Stage = Callable[[AnalysisContext], list[Finding]]
+
+
+def _hang_stage(ctx: AnalysisContext) -> list[Finding]:
+    hang = analyze_hangs(ctx.trace, ctx.clock, ctx.match)
+    ctx.results["hang"] = hang
+    found = explain.hang_findings(ctx.trace, ctx.match, hang)
+    if not hang.roots:
+        found.append(explain.healthy_finding(ctx.trace, ctx.match, hang))
+    return found
+
+
+def _mismatch_stage(ctx: AnalysisContext) -> list[Finding]:
+    return explain.mismatch_findings(ctx.trace, ctx.match)
+
+
+# Extension point: append (name, stage) pairs; e.g. ("critical_path", ...), ("stragglers", ...), ("rules", ...).
+STAGES: list[tuple[str, Stage]] = [("hang", _hang_stage), ("mismatch", _mismatch_stage)]
+
+
+@dataclass
+class AnalysisResult:
+    """Everything one analysis produced; ``findings`` are ordered, the first is the verdict."""
+
+    trace: TraceSet
+    clock: ClockAlignment
+    match: MatchResult
+    findings: list[Finding]
+    results: dict[str, Any]
+    timings: dict[str, float]
+
+    @property
+    def hang(self) -> HangAnalysis | None:
+        return self.results.get("hang")
+
+    @property
+    def verdict(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+    def trace_summary(self) -> dict[str, Any]:
+        t = self.trace
+        return {"path": str(t.path), "job_id": t.job_id, "world_size": t.world_size, "ranks_loaded": len(t.ranks),
+                "missing_ranks": list(t.missing_ranks), "hosts": t.hosts, "records": len(t.records),
+                "groups": len(t.groups), "layout": None if t.layout is None else
+                {k: getattr(t.layout, k) for k in ("tp", "pp", "dp", "microbatches", "schedule", "order")},
+                "problems": [str(p) for p in t.problems]}
+
+    def analysis_summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"clock": self.clock.summary(), "matching": self.match.summary(),
+                               "timings_s": {k: round(v, 4) for k, v in self.timings.items()}}
+        if self.hang is not None:
+            out["hang"] = self.hang.summary()
+        return out
+
+    def document(self) -> dict[str, Any]:
+        return findings_document(self.findings, self.trace_summary(), self.analysis_summary())
+
+    def write_json(self, path: str | Path) -> Path:
+        return write_findings_json(path, self.document())
+
+    def at_least(self, severity: Severity) -> list[Finding]:
+        return [f for f in self.findings if f.severity.at_least(severity)]
+
+
+def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | None = None,
+            stages: list[tuple[str, Stage]] | None = None) -> AnalysisResult:
+    """Analyse a trace directory and return ordered findings (the first one is the verdict).
+
+    ``layout``: a :class:`Layout`, a :class:`LayoutSpec` (sizes from the command line), a path to a
+    layout YAML, or None to use ``layout.yaml`` in the trace directory when present.
+    Raises :class:`megatrace.analyze.load.TraceLoadError` when the directory is not a trace and
+    :class:`megatrace.config.LayoutError` when a given layout file is unreadable.
+    """
+    from megatrace.config import load_layout
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    spec = layout if isinstance(layout, LayoutSpec) else None
+    given = load_layout(layout) if isinstance(layout, (str, Path)) else layout if isinstance(layout, Layout) else None
+    trace = load_trace(trace_dir, layout=given)
+    if spec is not None:
+        try:
+            trace.layout = fit_layout(spec.resolve(trace.world_size), trace.world_size, "--tp/--pp/--dp",
+                                      trace.problems)
+        except LayoutError as exc:
+            trace.layout = None
+            trace.problems.append(LoadProblem("error", "layout", f"{exc}; analysing without a layout"))
+    timings["load"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    index = index_records(trace)
+    timings["index"] = time.perf_counter() - t
+    t = time.perf_counter()
+    clock = align_clocks(trace, index, in_place=True)
+    timings["clock"] = time.perf_counter() - t
+    t = time.perf_counter()
+    matched = match(trace, index, clock.t_enqueue, clock.t_complete)
+    timings["match"] = time.perf_counter() - t
+    ctx = AnalysisContext(trace, clock, matched)
+    for name, stage in stages if stages is not None else STAGES:
+        t = time.perf_counter()
+        ctx.findings.extend(stage(ctx))
+        timings[name] = time.perf_counter() - t
+    findings = order_findings(explain.trace_findings(trace, clock) + ctx.findings)
+    timings["total"] = time.perf_counter() - t0
+    return AnalysisResult(trace, clock, matched, findings, ctx.results, timings)

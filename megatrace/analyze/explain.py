@@ -1,0 +1,334 @@
+"""Turn analysis facts into findings: hang root causes, mismatches, partial stops, input problems, clocks.
+
+Each function reads the result of one analyzer and returns :class:`Finding`
+objects; wording helpers live in :mod:`megatrace.analyze.words`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatrace.analyze.clock import ClockAlignment
+from megatrace.analyze.findings import Finding, Kind, Severity, Subject
+from megatrace.analyze.hang import STALLED_OUTCOMES, HangAnalysis, RankStatus, RootCause, Wait
+from megatrace.analyze.match import MatchResult
+from megatrace.analyze.traceset import TraceSet, plural
+from megatrace.analyze.words import collective_label, duration, rank_label, rank_list, rank_subject, record_label
+from megatrace.trace.ring_format import Op, Phase
+
+CLOCK_NOTE_NS = 1_000_000  # host clock corrections above 1 ms are reported (info)
+MAX_EVIDENCE = 12  # waiters listed one by one in a finding's evidence
+
+REMEDIATION = {
+    Kind.COMPUTE_HANG: "Inspect this rank's process while it hangs (py-spy dump --pid PID, or gdb/cuda-gdb for "
+                       "a GPU kernel): it is stuck outside communication (data loading, a deadlock in the "
+                       "training code, a wedged GPU). Check its log and the node's dmesg / GPU XID errors; "
+                       "drain the node if the GPU or host is faulty.",
+    Kind.COMM_HANG: "The collective itself is stuck: check the network between these hosts (NCCL_DEBUG=INFO, "
+                    "link and switch errors, IB/RoCE counters), run nccl-tests on these nodes, and check the "
+                    "GPUs for XID errors. Drain the nodes if a test fails.",
+    Kind.CRASHED_PROCESS: "Read this rank's log for the error that ended it (OOM, a Python exception, a "
+                          "signal); check dmesg on its node for OOM kills and GPU XID errors.",
+    Kind.EXITED_EARLY: "This rank left the training loop earlier than its peers: it issued fewer collectives "
+                       "(an early return, an uneven dataset shard, a rank-dependent condition). Compare the "
+                       "number of iterations per rank.",
+    Kind.NO_TRACE: "Collect this rank's ring file (node-local storage of its host) and its log; without it "
+                   "the cause of its stop is unknown.",
+    Kind.DEADLOCK: "The ranks issue communication in different orders: make every member of each group issue "
+                   "the same collectives and point-to-point operations in the same order.",
+    Kind.COLLECTIVE_MISMATCH: "Members of one group called different operations, sizes or dtypes for the same "
+                              "collective: a program bug (rank-dependent code path, uneven tensor shapes). "
+                              "Compare the code paths of the listed ranks.",
+}
+
+
+def _last_op_text(trace: TraceSet, hang: HangAnalysis, rank: int) -> str:
+    row = hang.last_row.get(rank)
+    if row is None:
+        return "it recorded no operation at all"
+    rec = trace.records
+    label = record_label(trace, row)
+    state = int(rec.state[row])
+    ago = hang.end_ns - hang.last_activity.get(rank, hang.end_ns)
+    verb = "completed" if state == 2 else "failed" if state == 3 else "was entered"
+    return f"its last op, {label}, {verb} {duration(ago)} before the end of the trace"
+
+
+def _phase_text(trace: TraceSet, rank: int) -> str:
+    """The last phase marker of a rank, when the job recorded markers."""
+    rows = trace.rows(rank)
+    ops = trace.records.op[rows]
+    hits = np.flatnonzero(ops == Op.MARK_PHASE)
+    if not len(hits):
+        return ""
+    row = rows.start + int(hits[-1])
+    rec = trace.records
+    try:
+        phase = Phase(int(rec.dtype[row])).name.lower()
+    except ValueError:
+        phase = "unknown phase"
+    mb = int(rec.peer[row])
+    return f"last marker: step {int(rec.group_seq[row])}, {phase}" + (f" of microbatch {mb}" if mb >= 0 else "")
+
+
+def _root_sentence(trace: TraceSet, hang: HangAnalysis, root: RootCause) -> str:
+    w = root.chain_wait or root.first_wait
+    if root.kind == "instance":
+        d = root.detail
+        assert d is not None
+        if d.completed:
+            return (f"every member entered it; ranks {rank_list(list(d.stuck))} never completed it "
+                    f"(ranks {rank_list(list(d.completed))} did)")
+        return "every member entered it and none completed"
+    if root.kind == "link":
+        return f"rank {root.ranks[1] if w and w.rank == root.ranks[0] else root.ranks[0]} entered the matching " \
+               f"operation and neither side completed"
+    if root.kind == "cycle":
+        return f"ranks {rank_list(list(root.ranks))} wait on each other in a cycle"
+    if root.kind == "blocked-unknown":
+        return f"rank {root.ranks[0]} waits in {w.label if w else 'an operation'} whose partners are unknown"
+    rank = root.ranks[0]
+    if w is not None and trace.records.op[w.row] in (Op.SEND, Op.RECV):
+        other = "recv" if trace.records.op[w.row] == Op.SEND else "send"
+        head = f"rank {rank} never posted the matching {other}"
+    else:
+        head = f"rank {rank} never entered it"
+    status = hang.status.get(rank)
+    if status == RankStatus.MISSING:
+        return f"{head}; it has no trace (its ring file is missing), so why is unknown"
+    tail = _last_op_text(trace, hang, rank)
+    proc = trace.facts.procs.get(rank)
+    if proc is not None and proc.crashed:
+        tail += f"; its process {proc.describe()}"
+    elif status == RankStatus.FINISHED:
+        tail += "; its process then exited (its tracer closed cleanly)"
+    phase = _phase_text(trace, rank)
+    return f"{head}; {tail}" + (f" ({phase})" if phase else "")
+
+
+def _classify(trace: TraceSet, hang: HangAnalysis, m: MatchResult, root: RootCause) -> Kind:
+    if root.kind == "cycle":
+        return Kind.DEADLOCK
+    if root.kind == "instance":
+        i = root.node[1]  # type: ignore[index]
+        return Kind.COLLECTIVE_MISMATCH if m.collectives.mismatch[i] else Kind.COMM_HANG
+    if root.kind in ("link", "blocked-unknown"):
+        return Kind.COMM_HANG
+    rank = root.ranks[0]
+    status = hang.status.get(rank)
+    proc = trace.facts.procs.get(rank)
+    if status == RankStatus.MISSING:
+        return Kind.CRASHED_PROCESS if proc is not None and proc.crashed else Kind.NO_TRACE
+    if proc is not None and proc.crashed:
+        return Kind.CRASHED_PROCESS
+    if status == RankStatus.FINISHED:
+        return Kind.EXITED_EARLY
+    return Kind.COMPUTE_HANG
+
+
+BASE_CONFIDENCE = {Kind.COMPUTE_HANG: 0.9, Kind.CRASHED_PROCESS: 0.95, Kind.EXITED_EARLY: 0.85,
+                   Kind.COMM_HANG: 0.8, Kind.COLLECTIVE_MISMATCH: 0.9, Kind.DEADLOCK: 0.8, Kind.NO_TRACE: 0.5}
+
+
+def _verdict(trace: TraceSet, kind: Kind, root: RootCause, n_wait: int, hosts: list[str],
+             mismatches: list) -> str:
+    w = root.first_wait
+    waiting = f"{n_wait} rank{'s' if n_wait != 1 else ''} wait{'s' if n_wait == 1 else ''}"
+    what = f" in {w.label}" if w else ""
+    if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
+        what = f" (first rank {w.rank}, in {w.label})" if w else ""
+        who = rank_label(trace, root.ranks[0])
+        head = {Kind.COMPUTE_HANG: f"{who} stopped outside communication",
+                Kind.CRASHED_PROCESS: f"{who} crashed",
+                Kind.EXITED_EARLY: f"{who} exited early",
+                Kind.NO_TRACE: f"{who} has no trace"}[kind]
+        if root.silence_ns is not None and kind != Kind.NO_TRACE:
+            head += f" {duration(root.silence_ns)} before the end of the trace"
+        return f"{head}; {waiting} for it{what}" if n_wait else head
+    if kind == Kind.DEADLOCK:
+        return (f"deadlock: ranks {rank_list(list(root.ranks))} wait on each other in a cycle; "
+                f"{n_wait} more wait on them")
+    where = f" on host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}" if hosts else ""
+    if root.kind == "link":
+        src, dst = root.ranks
+        return (f"communication hang on the link rank {src} → rank {dst}{where}: both entered{what} and neither "
+                f"completed")
+    if root.kind == "blocked-unknown":
+        return f"rank {root.ranks[0]} is blocked{what}; its partners are unknown"
+    d = root.detail
+    assert d is not None
+    label = collective_label(trace, d.gid, int(trace.records.op[next(iter(d.rows.values()))]), d.seq)
+    if kind == Kind.COLLECTIVE_MISMATCH:
+        what = "; ".join(f"{mm.field}: " + ", ".join(f"{v} on ranks {rank_list(list(r))}" for v, r in mm.values.items())
+                         for mm in mismatches if mm.gid == d.gid and mm.seq == d.seq and not mm.p2p)
+        return (f"collective mismatch hangs {label}{where}: the members disagree ({what or 'op, size or dtype'})"
+                + (f"; {n_wait} more ranks wait on it" if n_wait else ""))
+    return (f"communication hang in {label}{where}: all {len(d.members)} members entered and none completed"
+            + (f"; {n_wait} more ranks wait on it" if n_wait else ""))
+
+
+def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[Finding]:
+    """One finding per root cause, plus partial stops and crashed ranks no hang explains."""
+    out: list[Finding] = []
+    coverage = trace.coverage
+    explained: set[int] = set()
+    for root in hang.roots:
+        kind = _classify(trace, hang, m, root)
+        hosts = sorted({h for h in (trace.host_of(r) for r in root.ranks) if h})
+        n_wait = len([r for r in root.waiters if r not in root.ranks])
+        chain = " → ".join(root.chain + [_root_sentence(trace, hang, root)])
+        evidence: list = [f"wait chain: {chain}"]
+        if root.kind == "instance" and root.detail is not None:
+            evidence += _instance_evidence(trace, hang, root)
+        for r in root.waiters[:MAX_EVIDENCE]:
+            waits = "; ".join(_wait_text(hang, w) for w in hang.waits.get(r, ()))
+            if waits:
+                evidence.append(f"rank {r} waits in {waits}")
+        if len(root.waiters) > MAX_EVIDENCE:
+            evidence.append(f"… and {len(root.waiters) - MAX_EVIDENCE} more waiting ranks")
+        victims = [r for r in root.waiters if (p := trace.facts.procs.get(r)) is not None and p.crashed]
+        if victims:
+            evidence.append(f"ranks {rank_list(victims)} then exited with errors too: their calls failed once "
+                            "the culprit stopped (consequences, not causes)")
+        if root.usual_gap_ns and root.silence_ns is not None:
+            evidence.append(f"stopped {duration(root.silence_ns)} before the end of the trace; its usual gap "
+                            f"between calls is {duration(root.usual_gap_ns)} (p95)")
+        confidence = BASE_CONFIDENCE.get(kind, 0.7) * (0.5 + 0.5 * coverage) * (1.0 if root.confirmed else 0.5)
+        verdict = _verdict(trace, kind, root, n_wait, hosts, m.mismatches)
+        if not root.confirmed:
+            verdict = "possible hang (short stop, maybe in flight when the trace ended): " + verdict
+        if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
+            group = trace.groups.get(int(trace.records.group_id[root.first_wait.row])) if root.first_wait else None
+            subject = rank_subject(trace, root.ranks[0], group)
+            ident = f"{kind.value}:rank-{root.ranks[0]}"
+        elif root.kind == "instance" and root.detail is not None:
+            g = root.detail.group
+            subject = Subject(ranks=tuple(root.detail.members), hosts=tuple(hosts), group=g.to_dict() if g else None)
+            ident = f"{kind.value}:group-{root.detail.gid}-seq-{root.detail.seq}"
+        elif root.kind == "link":
+            subject = Subject(ranks=root.ranks, hosts=tuple(hosts), link=(root.ranks[0], root.ranks[1]))
+            ident = f"{kind.value}:link-{root.ranks[0]}-{root.ranks[1]}"
+        else:
+            subject = Subject(ranks=root.ranks, hosts=tuple(hosts))
+            ident = f"{kind.value}:ranks-{'-'.join(map(str, root.ranks[:8]))}"
+        explained.update(root.ranks)
+        out.append(Finding(
+            id=ident, severity=Severity.CRITICAL if root.confirmed else Severity.WARNING, kind=kind,
+            subject=subject, verdict=verdict, evidence=evidence, remediation=REMEDIATION.get(kind, ""),
+            confidence=confidence, impact=len(set(root.waiters) | set(root.ranks)),
+            data={"chain": root.chain + [_root_sentence(trace, hang, root)], "waiters": list(root.waiters),
+                  "stop_ns": root.stop_ns, "silence_ns": root.silence_ns, "usual_gap_ns": root.usual_gap_ns,
+                  "confirmed": root.confirmed}))
+    if hang.progressing:
+        out.append(Finding(
+            id="partial-stop", severity=Severity.WARNING, kind=Kind.PARTIAL_STOP,
+            subject=Subject(ranks=tuple(hang.progressing)),
+            verdict=f"only part of the job stopped: {plural(len(hang.progressing), 'rank')} still progressing at "
+                    f"the end of the trace while {len(hang.blocked)} were blocked",
+            evidence=[f"still progressing: ranks {rank_list(hang.progressing)}"],
+            remediation="Those ranks will block as soon as they need a stuck rank; the root cause above applies.",
+            confidence=0.8, impact=len(hang.progressing)))
+    for rank, proc in sorted(trace.facts.procs.items()):
+        if proc.crashed and rank not in explained and hang.status.get(rank) != RankStatus.BLOCKED:
+            out.append(Finding(
+                id=f"crashed-process:rank-{rank}", severity=Severity.CRITICAL if not hang.finished else Severity.ERROR,
+                kind=Kind.CRASHED_PROCESS, subject=rank_subject(trace, rank),
+                verdict=f"{rank_label(trace, rank)} {proc.describe()}",
+                evidence=[f"procs.json: pid {proc.pid}, exit code {proc.exit_code}, signal {proc.signal}"],
+                remediation=REMEDIATION[Kind.CRASHED_PROCESS], confidence=0.95, impact=1))
+    return out
+
+
+def _instance_evidence(trace: TraceSet, hang: HangAnalysis, root: RootCause) -> list[str]:
+    """Members by host and their arrival order in a stuck collective (the last arrival is a suspect)."""
+    d = root.detail
+    assert d is not None
+    by_host: dict[str, list[int]] = {}
+    for r in d.members:
+        by_host.setdefault(trace.host_of(r) or "unknown host", []).append(r)
+    te = hang.t_enqueue
+    arrivals = sorted((int(te[row]), r) for r, row in d.rows.items())
+    first = arrivals[0][0] if arrivals else 0
+    order = ", ".join(f"rank {r} +{duration(t - first)}" for t, r in arrivals[:MAX_EVIDENCE])
+    return ["members by host: " + "; ".join(f"{h}: {rank_list(rs)}" for h, rs in sorted(by_host.items())),
+            f"arrival order: {order}" + (" …" if len(arrivals) > MAX_EVIDENCE else "")]
+
+
+def _wait_text(hang: HangAnalysis, w: Wait) -> str:
+    text = w.label + f" since {duration(hang.end_ns - w.since_ns)} before the end"
+    if w.failed:
+        text += " (failed)"
+    if w.outstanding_async:
+        text += " (outstanding async op)"
+    return text
+
+
+def mismatch_findings(trace: TraceSet, m: MatchResult) -> list[Finding]:
+    """One finding per group and field whose members disagree (a program bug, not a hardware fault)."""
+    by_key: dict[tuple[int, str, bool], list] = {}
+    for mm in m.mismatches:
+        by_key.setdefault((mm.gid, mm.field, mm.p2p), []).append(mm)
+    out = []
+    for (gid, field_name, p2p), items in sorted(by_key.items()):
+        g = trace.groups.get(gid)
+        first = items[0]
+        ranks = sorted({r for mm in items for rs in mm.values.values() for r in rs})
+        out.append(Finding(
+            id=f"collective-mismatch:group-{gid}-{field_name}{'-p2p' if p2p else ''}", severity=Severity.ERROR,
+            kind=Kind.COLLECTIVE_MISMATCH,
+            subject=Subject(ranks=tuple(ranks), group=g.to_dict() if g else None),
+            verdict=f"{len(items)} {'send/recv pair' if p2p else 'collective'}{'s' if len(items) > 1 else ''} of "
+                    f"{trace.group_label(gid)} disagree{'' if len(items) > 1 else 's'} on {field_name}: "
+                    f"{'first ' if len(items) > 1 else ''}{first.describe()}",
+            evidence=[mm.describe() for mm in items[:MAX_EVIDENCE]], remediation=REMEDIATION[Kind.COLLECTIVE_MISMATCH],
+            confidence=0.95, impact=len(ranks)))
+    return out
+
+
+def trace_findings(trace: TraceSet, clock: ClockAlignment) -> list[Finding]:
+    """Input problems and clock facts, as findings (the analysis went on with what was usable)."""
+    sev = {"error": Severity.ERROR, "warning": Severity.WARNING, "info": Severity.INFO}
+    out: list[Finding] = []
+    seen: dict[str, int] = {}
+    for p in trace.problems:
+        seen[p.code] = seen.get(p.code, 0) + 1
+        ident = f"trace-problem:{p.code}" + (f"-{seen[p.code]}" if seen[p.code] > 1 else "")
+        out.append(Finding(id=ident, severity=sev.get(p.severity, Severity.WARNING), kind=Kind.TRACE_PROBLEM,
+                           subject=Subject(ranks=p.ranks), verdict=p.message, evidence=list(p.paths[:MAX_EVIDENCE]),
+                           confidence=1.0, impact=len(p.ranks)))
+    big = {h: c for h, c in clock.correction_ns.items() if abs(c) >= CLOCK_NOTE_NS}
+    if big or clock.notes:
+        out.append(Finding(
+            id="clock:alignment", severity=Severity.INFO, kind=Kind.CLOCK, subject=Subject(hosts=tuple(sorted(big))),
+            verdict=(f"host clocks disagreed by up to {duration(max(map(abs, big.values())))}; corrected from "
+                     f"collective completion times" if big else clock.notes[0]),
+            evidence=[f"{h}: {c / 1e6:+.3f} ms" for h, c in sorted(big.items())] + clock.notes,
+            confidence=0.9, data=clock.summary()))
+    return out
+
+
+def healthy_finding(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> Finding:
+    """The finding when no rank waits on anything: a clean run, or a stop outside traced communication."""
+    s = m.summary()
+    if hang.finished:
+        evidence = []
+        if hang.leftover_pending:
+            evidence.append(f"{hang.leftover_pending} operations never recorded a completion although every rank "
+                            "exited cleanly (completion not observable, e.g. async work never waited on)")
+        return Finding(id="healthy", severity=Severity.INFO, kind=Kind.HEALTHY, subject=Subject(),
+                       verdict=f"no hang: all {plural(len(trace.ranks), 'traced rank')} completed every operation "
+                               f"({s['collective_instances']} collectives, {s['p2p_pairs']} point-to-point pairs)",
+                       evidence=evidence, confidence=0.9 * trace.coverage)
+    stalled = trace.facts.outcome in STALLED_OUTCOMES
+    running = sorted(r for r, st in hang.status.items() if st == RankStatus.STOPPED)
+    evidence = [f"ranks whose tracer did not close (still running, or killed): {rank_list(running)}"] if running else []
+    if stalled:
+        evidence.append(f"the launcher reported: {trace.facts.message or trace.facts.outcome}")
+    return Finding(
+        id="possible-hang:outside-communication", severity=Severity.WARNING if stalled else Severity.INFO,
+        kind=Kind.POSSIBLE_HANG, subject=Subject(ranks=tuple(running)),
+        verdict=("the job stalled, but no rank is blocked in traced communication: every rank stopped outside it "
+                 "(data loading, untraced calls, or before its first collective)" if stalled else
+                 f"no rank is blocked in communication at the end of the trace ({plural(len(trace.ranks), 'rank')}, "
+                 f"{s['collective_instances']} collectives); the job had not finished when it was traced"),
+        evidence=evidence, confidence=0.6 * trace.coverage)

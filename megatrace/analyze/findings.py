@@ -1,0 +1,150 @@
+"""Findings: what analysis concluded, as data, and ``findings.json`` (schema in docs/findings-schema.md).
+
+Every finding has an id, a severity, a kind, a subject (rank, host, GPU,
+group, link), a one-line verdict, evidence, a remediation and a confidence.
+:func:`order_findings` sorts the most important first, so the first finding
+is the verdict of the whole analysis.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatrace import __version__
+
+SCHEMA = "megatrace.findings"
+SCHEMA_VERSION = 1
+
+
+class Severity(str, enum.Enum):
+    """How urgent a finding is; ordered from most to least severe."""
+
+    CRITICAL = "critical"  # the job is stopped or will not finish (hang, crash)
+    ERROR = "error"  # wrong results or wasted work (mismatch, contradictory input)
+    WARNING = "warning"  # degraded or incomplete (missing ranks, partial stop, slowness)
+    INFO = "info"  # context; never a reason to fail
+
+    @property
+    def rank(self) -> int:
+        """0 for critical ... 3 for info."""
+        return list(Severity).index(self)
+
+    def at_least(self, other: Severity) -> bool:
+        return self.rank <= other.rank
+
+    @classmethod
+    def parse(cls, text: str) -> Severity:
+        try:
+            return cls(text.lower())
+        except ValueError:
+            raise ValueError(f"unknown severity {text!r} (one of {', '.join(s.value for s in cls)})") from None
+
+
+class Kind(str, enum.Enum):
+    """Finding kinds; docs/findings-schema.md describes each."""
+
+    COMPUTE_HANG = "compute-hang"  # a rank stopped outside communication; others wait for it
+    COMM_HANG = "comm-hang"  # every member entered a collective (or both sides a p2p), none completed
+    CRASHED_PROCESS = "crashed-process"  # a rank's process died; others wait for it or it simply died
+    EXITED_EARLY = "exited-early"  # a rank's process exited cleanly while others still wait for it
+    COLLECTIVE_MISMATCH = "collective-mismatch"  # members disagree on op, size, dtype or root
+    DEADLOCK = "deadlock"  # ranks wait on each other in a cycle (a program-order bug)
+    NO_TRACE = "no-trace"  # others wait for a rank whose ring is missing: cause unknown
+    POSSIBLE_HANG = "possible-hang"  # ranks blocked at the end, but not for long: maybe in flight
+    PARTIAL_STOP = "partial-stop"  # some ranks were still progressing while others were stuck
+    HEALTHY = "healthy"  # nothing stopped: the summary of a clean run
+    TRACE_PROBLEM = "trace-problem"  # the input was incomplete or inconsistent
+    CLOCK = "clock"  # clock alignment facts
+    RULE = "rule"  # a rule of the rules engine matched
+    RULE_ERROR = "rule-error"  # a rule file or a rule could not be used (the other rules still ran)
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What a finding is about. Unused fields stay None / empty."""
+
+    rank: int | None = None
+    host: str | None = None
+    local_rank: int | None = None  # the GPU index on GPU nodes
+    coords: dict[str, int] | None = None  # {"pp":, "dp":, "tp":} from the layout
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    group: dict[str, Any] | None = None  # {"gid", "name", "desc", "ranks"}
+    link: tuple[int, int] | None = None  # (rank, rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in ("rank", "host", "local_rank", "coords", "group"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
+        if self.hosts:
+            out["hosts"] = list(self.hosts)
+        if self.link is not None:
+            out["link"] = list(self.link)
+        return out
+
+
+@dataclass
+class Finding:
+    """One conclusion, with the evidence behind it."""
+
+    id: str  # stable: kind plus subject, e.g. "compute-hang:rank-5"
+    severity: Severity
+    kind: Kind
+    subject: Subject
+    verdict: str  # one line, the first thing a person reads
+    evidence: list[str | dict[str, Any]] = field(default_factory=list)
+    remediation: str = ""
+    confidence: float = 1.0  # 0..1
+    impact: int = 0  # ranks affected (e.g. waiting on this root cause); orders findings of one severity
+    data: dict[str, Any] = field(default_factory=dict)  # machine-readable details (times in ns)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "severity": self.severity.value, "kind": self.kind.value,
+                "subject": self.subject.to_dict(), "verdict": self.verdict, "evidence": self.evidence,
+                "remediation": self.remediation, "confidence": round(float(self.confidence), 3),
+                "impact": self.impact, "data": self.data}
+
+
+def order_findings(findings: list[Finding]) -> list[Finding]:
+    """Most important first: severity, then ranks affected, then confidence, then id."""
+    return sorted(findings, key=lambda f: (f.severity.rank, -f.impact, -f.confidence, f.id))
+
+
+def worst_severity(findings: list[Finding]) -> Severity | None:
+    return min((f.severity for f in findings), key=lambda s: s.rank, default=None)
+
+
+def findings_document(findings: list[Finding], trace: dict[str, Any],
+                      analysis: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The findings.json document (see docs/findings-schema.md)."""
+    ordered = order_findings(findings)
+    return {"schema": SCHEMA, "version": SCHEMA_VERSION, "generator": f"megatrace {__version__}",
+            "verdict": ordered[0].verdict if ordered else "no findings",
+            "trace": trace, "analysis": analysis or {}, "findings": [f.to_dict() for f in ordered]}
+
+
+def write_findings_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
+    """Write ``document`` atomically (temporary file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(document, indent=2, ensure_ascii=False, default=_plain) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _plain(value: Any) -> Any:
+    """JSON fallback for numpy scalars and tuples hidden in evidence."""
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

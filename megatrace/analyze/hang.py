@@ -1,0 +1,397 @@
+"""Hang analysis: who waits for whom at the end of the trace, and the root causes.
+
+At the end of the trace (aligned clocks) each rank is *blocked* (its last
+operations were entered and never completed, or failed), *stopped* (its last
+operation completed: it computes, is wedged, or is dead), *finished* (its
+tracer closed cleanly), *empty* or *missing*. A wait-for graph (networkx)
+links each blocked rank to what it waits for:
+
+* in a collective: an instance node, which points at the members that never
+  entered it (a node with no successor: everyone entered, nobody completed);
+* in a send or recv: the peer, when the peer never posted the matching op, or
+  a link node when both sides entered and neither completed.
+
+The sink components of that graph, reached from blocked ranks, are the root
+causes: stopped ranks (compute hang, crash, early exit, no trace), stuck
+instances or links (communication hang, collective mismatch) and cycles
+(deadlock). :mod:`megatrace.analyze.explain` turns them into findings.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+
+from megatrace.analyze.clock import ClockAlignment
+from megatrace.analyze.match import InstanceDetail, MatchResult, instance_details
+from megatrace.analyze.traceset import TraceSet
+from megatrace.analyze.words import record_label
+from megatrace.trace.ring_format import Flag, Op, State
+
+STALL_FACTOR = 4.0  # a stop is a hang once it lasts this many times the usual gap between calls (p95) ...
+QUIET_FACTOR = 2.0  # ... or twice that gap when the whole job is quiet (every rank blocked or stopped) ...
+MIN_STALL_NS = 5_000_000  # ... and in both cases at least 5 ms: below that it is scheduling noise
+STALLED_OUTCOMES = ("stalled",)  # launcher / agent verdicts (procs.json "outcome") that confirm a stop
+GAP_WINDOW = 1000  # recent records of a rank used for its usual gap between calls
+TAIL = 64  # last records per rank read for what it waits in (and its last activity): a rank waits in one place
+MAX_PHANTOM_INSTANCES = 5000  # instances checked for completions that cannot be real
+PHANTOM_OPS = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.BARRIER)
+NONE = np.iinfo(np.int64).min
+
+
+class RankStatus(str, enum.Enum):
+    BLOCKED = "blocked"  # waits in an operation that never completed, or failed
+    STOPPED = "stopped"  # last operation completed; not waiting in communication
+    FINISHED = "finished"  # tracer closed cleanly and nothing pending
+    EMPTY = "empty"  # ring without records
+    MISSING = "missing"  # no ring
+
+
+@dataclass(frozen=True)
+class Wait:
+    """One operation a blocked rank waits in, and what it waits for."""
+
+    rank: int
+    row: int
+    label: str  # "TP all_reduce #49 (group [4, 5])", "PP recv #13 from rank 4"
+    since_ns: int  # aligned enqueue time
+    failed: bool  # the call raised (e.g. a timeout)
+    outstanding_async: bool  # not the rank's last call: an async op it probably waits on
+    target: Hashable | None  # graph node it points at
+
+
+@dataclass
+class RootCause:
+    """A sink of the wait-for graph that blocked ranks depend on."""
+
+    node: Hashable  # rank (int), ("inst", id), ("link", src, dst) or a tuple of cycle nodes
+    kind: str  # "rank", "instance", "link", "cycle", "blocked-unknown"
+    ranks: tuple[int, ...]  # the culprit rank(s)
+    waiters: tuple[int, ...]  # ranks that wait on it, directly or through others
+    first_wait: Wait | None  # the wait of a direct waiter (what the culprit did not enter)
+    stop_ns: int | None  # when it stopped: last activity, or the last arrival in the stuck op
+    silence_ns: int | None  # end of trace - stop
+    usual_gap_ns: int | None  # what "normal" looks like for it
+    confirmed: bool  # the stop is long compared with the usual gap, or corroborated by failures
+    chain: list[str] = field(default_factory=list)  # the longest wait chain, step by step
+    chain_wait: Wait | None = None  # the last wait of that chain (the one pointing at the root)
+    detail: InstanceDetail | None = None
+
+
+@dataclass
+class HangAnalysis:
+    end_ns: int
+    finished: bool  # every rank's tracer closed cleanly, nothing failed: the job ended normally
+    status: dict[int, RankStatus]
+    last_activity: dict[int, int]  # aligned ns, ranks with records
+    last_row: dict[int, int]  # last non-marker record per rank
+    waits: dict[int, list[Wait]]
+    graph: nx.DiGraph
+    roots: list[RootCause]
+    details: dict[int, InstanceDetail]
+    progressing: list[int] = field(default_factory=list)  # still active while others were stuck
+    leftover_pending: int = 0  # ops never completed in a cleanly finished job (tracer artefacts)
+    t_enqueue: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # aligned, per record
+
+    @property
+    def blocked(self) -> list[int]:
+        return sorted(r for r, s in self.status.items() if s == RankStatus.BLOCKED)
+
+    def summary(self) -> dict:
+        counts: dict[str, int] = {}
+        for s in self.status.values():
+            counts[s.value] = counts.get(s.value, 0) + 1
+        return {"end_ns": self.end_ns, "finished": self.finished, "ranks": counts,
+                "root_causes": len(self.roots), "progressing": len(self.progressing)}
+
+
+@dataclass
+class _Tails:
+    """The last ``TAIL`` rows of every rank as an (R, K) matrix, oldest first; ``valid`` masks the padding."""
+
+    rows: np.ndarray
+    valid: np.ndarray
+
+    def take(self, column: np.ndarray, fill: int = 0) -> np.ndarray:
+        return np.where(self.valid, column[self.rows], fill)
+
+
+def _at(table: np.ndarray, idx: np.ndarray, fill: int = -1) -> np.ndarray:
+    """``table[idx]`` where ``idx >= 0``, else ``fill`` (safe for an empty table)."""
+    if not len(table):
+        return np.full(idx.shape, fill, np.int64)
+    return np.where(idx >= 0, table[np.clip(idx, 0, len(table) - 1)], fill)
+
+
+def _tails(trace: TraceSet) -> _Tails:
+    counts = np.diff(trace.starts)
+    k = int(min(TAIL, counts.max())) if len(counts) and counts.max() > 0 else 1
+    idx = trace.starts[1:, None] - k + np.arange(k)[None, :]
+    valid = idx >= trace.starts[:-1, None]
+    return _Tails(np.where(valid, idx, 0), valid)
+
+
+def _phantoms(trace: TraceSet, m: MatchResult, t: _Tails, tc: np.ndarray, last_by_rank: np.ndarray) -> np.ndarray:
+    """(R, K) mask of completions that cannot be real: a recv whose send was never posted, or a collective a
+    member never entered, completed after that partner had stopped (error completions after a peer died)."""
+    rec, ix, c = trace.records, m.index, m.collectives
+    state, op, done_at = t.take(rec.state), t.take(rec.op), t.take(tc)
+    pair = t.take(ix.pair, -1)
+    peer = np.clip(t.take(rec.peer, -1), 0, max(trace.world_size - 1, 0))
+    peer_last = last_by_rank[peer]
+    phantom = ((pair >= 0) & (state == State.COMPLETED) & (op == Op.RECV) & (_at(ix.send_row, pair) < 0)
+               & (peer_last != NONE) & (peer_last < done_at))
+    inst = t.take(ix.inst, -1)
+    cand = (inst >= 0) & (state == State.COMPLETED) & np.isin(op, PHANTOM_OPS) \
+        & (_at(c.n_entered, inst, 0) < _at(c.n_members, inst, 0))
+    insts = np.unique(inst[cand])[:MAX_PHANTOM_INSTANCES]
+    rows: set[int] = set()
+    for d in instance_details(trace, ix, insts).values():
+        stopped = [last_by_rank[r] for r in d.never_entered if last_by_rank[r] != NONE]
+        if stopped:
+            rows.update(d.rows[r] for r in d.completed if tc[d.rows[r]] > min(stopped))
+    if rows:
+        phantom |= t.valid & np.isin(t.rows, np.fromiter(rows, np.int64))
+    return phantom
+
+
+def _pending(trace: TraceSet, m: MatchResult, t: _Tails, blocking: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows each rank waits in at its end, which of them are older outstanding async ops).
+
+    A rank runs one thread of calls, so it waits in one place: its last synchronous call when that
+    call never completed; else the batch of async calls it issued last and never saw complete. A
+    rank whose last call completed may still wait on an older async op (e.g. an irecv overlapped
+    with compute), but only ops whose counterpart never entered count: a completion that was just
+    not observed must not invent a wait.
+    """
+    rec, ix = trace.records, m.index
+    col = np.arange(t.rows.shape[1])[None, :]
+    op = t.take(rec.op)
+    is_async = (t.take(rec.flags) & Flag.ASYNC) != 0
+    progress = t.valid & ~blocking & (~is_async | (op >= Op.MARK_STEP))
+    tail = blocking & (col > np.where(progress, col, -1).max(axis=1, keepdims=True))
+    last_sync = np.where(tail & ~is_async, col, -1).max(axis=1, keepdims=True)
+    waiting = tail & ((last_sync < 0) | (col == last_sync))
+    cand = t.rows[blocking & is_async & ~tail.any(axis=1, keepdims=True)]
+    pair, inst = ix.pair[cand], ix.inst[cand]
+    other = np.where(rec.op[cand] == Op.SEND, _at(ix.recv_row, pair), _at(ix.send_row, pair))
+    c = m.collectives
+    never = ((pair >= 0) & (other < 0)) | ((inst >= 0) & (_at(c.n_entered, inst, 0) < _at(c.n_members, inst, 0)))
+    outstanding = cand[never]
+    return np.union1d(t.rows[waiting], outstanding), outstanding
+
+
+def _usual_gap(trace: TraceSet, te: np.ndarray, tc: np.ndarray, rank: int) -> int:
+    """p95 of the rank's recent time outside communication (from its latest completion to its next call)."""
+    rows = trace.rows(rank)
+    window = slice(max(rows.start, rows.stop - GAP_WINDOW), rows.stop)
+    busy_until = np.maximum.accumulate(np.maximum(te[window], tc[window]))
+    gaps = np.clip(te[window][1:] - busy_until[:-1], 0, None)
+    return int(np.percentile(gaps, 95)) if len(gaps) >= 3 else 0
+
+
+def _usual_duration(trace: TraceSet, m: MatchResult, te: np.ndarray, tc: np.ndarray, gidx: int) -> int:
+    rows = np.flatnonzero((m.index.gidx == gidx) & (trace.records.state == State.COMPLETED))[-GAP_WINDOW:]
+    d = tc[rows] - te[rows]
+    return int(np.percentile(d, 95)) if len(d) >= 3 else 0
+
+
+def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> HangAnalysis:
+    """Build the wait-for graph at the end of the trace and find its root causes."""
+    rec, ix = trace.records, m.index
+    te, tc = clock.t_enqueue, clock.t_complete
+    if not len(rec):  # no rank recorded anything: nothing waits on anything
+        status = {r: RankStatus.MISSING for r in trace.missing_ranks}
+        status.update({i.rank: RankStatus.EMPTY for i in trace.rank_info})
+        finished = all(i.closed_cleanly for i in trace.rank_info)
+        return HangAnalysis(0, finished, status, {}, {}, {}, nx.DiGraph(), [], {})
+    t = _tails(trace)
+    last_pos = np.where(t.valid, np.maximum(te[t.rows], tc[t.rows]), NONE).max(axis=1)
+    last_by_rank = np.full(trace.world_size, NONE, np.int64)
+    last_by_rank[trace.ranks] = last_pos
+    end = int(last_pos.max()) if (last_pos != NONE).any() else 0
+    last_row_pos = np.where(t.valid & (t.take(rec.op) < Op.MARK_STEP), t.rows, -1).max(axis=1)
+    last_row = {int(r): int(p) for r, p in zip(trace.ranks, last_row_pos, strict=True) if p >= 0}
+
+    state = t.take(rec.state)
+    incomplete = t.valid & (t.take(rec.op) < Op.MARK_STEP) & ((state == State.ENQUEUED) | (state == State.FAILED)) \
+        & ((t.take(rec.flags) & Flag.NO_COMPLETION) == 0)
+    blocking = incomplete | _phantoms(trace, m, t, tc, last_by_rank)
+    pending, outstanding = _pending(trace, m, t, blocking)
+    finished = all(i.closed_cleanly for i in trace.rank_info) and not (rec.state[pending] == State.FAILED).any()
+
+    status: dict[int, RankStatus] = {r: RankStatus.MISSING for r in trace.missing_ranks}
+    for info in trace.rank_info:
+        status[info.rank] = (RankStatus.EMPTY if info.n_records == 0 else
+                             RankStatus.FINISHED if info.closed_cleanly else RankStatus.STOPPED)
+    last_activity = {int(r): int(v) for r, v in zip(trace.ranks, last_pos, strict=True) if v != NONE}
+    graph = nx.DiGraph()
+    if finished:
+        return HangAnalysis(end, True, status, last_activity, last_row, {}, graph, [], {},
+                            leftover_pending=len(pending))
+
+    pending_insts = np.unique(ix.inst[pending][ix.inst[pending] >= 0])
+    details = instance_details(trace, ix, pending_insts)
+    out_set = set(outstanding.tolist())
+    waits: dict[int, list[Wait]] = {}
+    for row in pending.tolist():
+        rank = int(rec.rank[row])
+        status[rank] = RankStatus.BLOCKED
+        graph.add_node(rank)
+        target: Hashable | None = None
+        i, p = int(ix.inst[row]), int(ix.pair[row])
+        if i >= 0:
+            target = ("inst", i)
+            for member in details[i].never_entered:
+                graph.add_edge(target, member)
+        elif p >= 0:
+            is_send = rec.op[row] == Op.SEND
+            other = int(ix.recv_row[p] if is_send else ix.send_row[p])
+            peer = int(rec.peer[row])
+            if other < 0:
+                target = peer
+            else:
+                target = ("link", rank, peer) if is_send else ("link", peer, rank)
+        wait = Wait(rank, row, record_label(trace, row), int(te[row]), bool(rec.state[row] == State.FAILED),
+                    row in out_set, target)
+        waits.setdefault(rank, []).append(wait)
+        if target is not None:
+            graph.add_edge(rank, target, wait=wait)
+    for node in graph.nodes:
+        if isinstance(node, int) and node not in status:
+            status[node] = RankStatus.MISSING  # a peer outside the loaded world (bad peer field)
+
+    roots = _roots(trace, m, graph, waits, details, status, last_activity, end, te, tc)
+    onset = min((r.stop_ns for r in roots if r.stop_ns is not None), default=end)
+    culprits = {r for root in roots for r in root.ranks}
+    progressing = sorted(r for r, s in status.items()
+                         if s == RankStatus.STOPPED and r not in culprits and roots
+                         and last_activity.get(r, NONE) > onset + (end - onset) // 2)
+    _confirm(trace, roots, waits, quiet=not progressing)
+    return HangAnalysis(end, False, status, last_activity, last_row, waits, graph, roots, details, progressing,
+                        t_enqueue=te)
+
+
+def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait]], quiet: bool) -> None:
+    """Decide whether each root's stop is a hang rather than an operation in flight when the trace ended.
+
+    Corroboration: a waiter's call failed (a timeout), the culprit crashed or exited, or the launcher /
+    agent reported the job stalled. Otherwise the stop must be long against the usual gap between calls:
+    ``STALL_FACTOR`` times it, or ``QUIET_FACTOR`` times it when no rank was still progressing.
+    """
+    stalled = trace.facts.outcome in STALLED_OUTCOMES
+    for root in roots:
+        if root.confirmed or root.kind == "cycle":
+            root.confirmed = True
+            continue
+        failed = any(w.failed for r in root.waiters + root.ranks for w in waits.get(r, ()))
+        proc = [trace.facts.procs.get(r) for r in root.ranks]
+        crashed = any(p is not None and p.crashed for p in proc)
+        if failed or crashed or stalled:
+            root.confirmed = True
+        elif root.silence_ns is not None:
+            factor = QUIET_FACTOR if quiet else STALL_FACTOR
+            root.confirmed = root.silence_ns >= max(MIN_STALL_NS, factor * (root.usual_gap_ns or 0))
+
+
+def _roots(trace: TraceSet, m: MatchResult, graph: nx.DiGraph, waits: dict[int, list[Wait]],
+           details: dict[int, InstanceDetail], status: dict[int, RankStatus], last_activity: dict[int, int],
+           end: int, te: np.ndarray, tc: np.ndarray) -> list[RootCause]:
+    if not graph.number_of_nodes():
+        return []
+    cond = nx.condensation(graph)
+    members = nx.get_node_attributes(cond, "members")
+    roots: list[RootCause] = []
+    for scc in cond.nodes:
+        if cond.out_degree(scc):
+            continue
+        nodes = members[scc]
+        up = set().union(*(nx.ancestors(graph, n) for n in nodes)) - set(nodes)
+        waiters = tuple(sorted(r for r in up if isinstance(r, int)))
+        inside_blocked = [n for n in nodes if isinstance(n, int) and status.get(n) == RankStatus.BLOCKED]
+        if not waiters and not inside_blocked:
+            continue  # an idle rank nobody waits for
+        preds = _direct_waits(graph, nodes)
+        first_wait = min(preds, key=lambda w: w.since_ns) if preds else None
+        if len(nodes) > 1:
+            ranks = tuple(sorted(n for n in nodes if isinstance(n, int)))
+            root = RootCause(tuple(sorted(nodes, key=str)), "cycle", ranks, waiters, first_wait,
+                             None, None, None, True)
+        else:
+            (node,) = nodes
+            root = _single_root(trace, m, node, waiters, first_wait, details, status, last_activity, end,
+                                te, tc, waits)
+        root.chain, root.chain_wait = _chain(graph, nodes)
+        roots.append(root)
+    return roots
+
+
+def _direct_waits(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> list[Wait]:
+    """The waits that point at ``nodes`` directly, or through an instance node."""
+    out: list[Wait] = []
+    for n in nodes:
+        for u in graph.predecessors(n):
+            if isinstance(u, int):
+                out.append(graph.edges[u, n]["wait"])
+            else:
+                out.extend(d["wait"] for _, _, d in graph.in_edges(u, data=True) if "wait" in d)
+    return out
+
+
+def _single_root(trace: TraceSet, m: MatchResult, node: Hashable, waiters: tuple[int, ...],
+                 first_wait: Wait | None, details: dict[int, InstanceDetail], status: dict[int, RankStatus],
+                 last_activity: dict[int, int], end: int, te: np.ndarray, tc: np.ndarray,
+                 waits: dict[int, list[Wait]]) -> RootCause:
+    if isinstance(node, int) and status.get(node) != RankStatus.BLOCKED:
+        stop = last_activity.get(node)
+        gap = _usual_gap(trace, te, tc, node) if stop is not None else None
+        silence = end - stop if stop is not None else None
+        exited = status.get(node) == RankStatus.FINISHED  # its process left while others wait: no doubt
+        return RootCause(node, "rank", (node,), waiters, first_wait, stop, silence, gap, exited)
+    if isinstance(node, int):  # blocked, but in something whose partners are unknown
+        w = waits[node][0]
+        return RootCause(node, "blocked-unknown", (node,), waiters, w, w.since_ns, end - w.since_ns, None, False)
+    if node[0] == "inst":
+        i = node[1]
+        d = details[i]
+        stop = int(m.collectives.last_enter[i])
+        gap = _usual_duration(trace, m, te, tc, int(m.index.inst_gidx[i]))
+        mismatched = bool(m.collectives.mismatch[i])  # can never complete: no doubt it is stuck
+        return RootCause(node, "instance", tuple(d.entered), waiters, first_wait, stop, end - stop, gap,
+                         mismatched, detail=d)
+    _, src, dst = node
+    stop = first_wait.since_ns if first_wait else None
+    gap = _usual_gap(trace, te, tc, src) if trace.has(src) else None
+    return RootCause(node, "link", (src, dst), waiters, first_wait, stop, None if stop is None else end - stop,
+                     gap, False)
+
+
+def _chain(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> tuple[list[str], Wait | None]:
+    """The longest wait chain ending at the root, as words, one step per element."""
+    rev = graph.reverse(copy=False)
+    best: tuple[int, int] | None = None
+    best_path: list[Hashable] = []
+    for start in nodes:
+        dist = nx.single_source_shortest_path_length(rev, start)
+        for n, d in dist.items():
+            if isinstance(n, int) and n not in nodes and (best is None or (d, -n) > best):
+                best = (d, -n)
+                best_path = nx.shortest_path(graph, n, start)
+    steps: list[str] = []
+    wait: Wait | None = None
+    for k, a in enumerate(best_path[:-1]):
+        if not isinstance(a, int):
+            continue
+        wait = graph.edges[a, best_path[k + 1]]["wait"]
+        text = f"rank {a} waits in {wait.label}"
+        nxt = best_path[k + 2] if k + 2 < len(best_path) else None
+        if isinstance(best_path[k + 1], tuple) and best_path[k + 1][0] == "inst" and isinstance(nxt, int):
+            text += f" for rank {nxt}"
+        if wait.failed:
+            text += " (the call failed)"
+        steps.append(text)
+    return steps, wait

@@ -1,0 +1,175 @@
+"""Matching keys for every record, without timing: group index, collective instance id, p2p pair id.
+
+A collective record's instance is (group, group_seq); group_seq is dense per
+group and identical on all members, so the id is
+``base[group] + group_seq - min_seq[group]`` (then compacted): no sort. A
+point-to-point record's channel is (group, src, dst) — for a send src is the
+rank and dst its peer, for a recv the other way round — and its pair id is
+(channel, seq) made dense the same way: send #k from A to B pairs with recv #k
+on B from A.
+
+Every pass runs over at most :data:`CHUNK` rows at a time, so temporaries stay
+bounded at 16,384 ranks; the ids are int32 (int64 beyond 2**31 records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatrace.analyze.traceset import TraceSet
+from megatrace.trace.ring_format import Op
+
+SEND, RECV = int(Op.SEND), int(Op.RECV)
+MARKER_MIN = int(Op.MARK_STEP)
+CHUNK = 1 << 22  # rows per vectorised pass: ~100 MB of temporaries at most
+DENSE_SLACK = 4  # dense ids while the id space is at most this many times the keyed rows (else sort)
+I64_MAX = np.iinfo(np.int64).max
+
+
+def op_name(op: int) -> str:
+    try:
+        return Op(op).label
+    except ValueError:
+        return f"op{op}"
+
+
+def chunks(n: int, size: int = CHUNK) -> Iterator[slice]:
+    for lo in range(0, n, size):
+        yield slice(lo, min(n, lo + size))
+
+
+def rank_positions(starts: np.ndarray, sl: slice) -> np.ndarray:
+    """For rows ``sl`` of a trace with row offsets ``starts``, the index of each row's rank."""
+    r0 = int(np.searchsorted(starts, sl.start, side="right")) - 1
+    r1 = int(np.searchsorted(starts, sl.stop - 1, side="right")) - 1
+    bounds = np.clip(starts[r0:r1 + 2], sl.start, sl.stop)
+    return np.repeat(np.arange(r0, r1 + 1), np.diff(bounds))
+
+
+@dataclass
+class RecordIndex:
+    """Per-record matching keys and the tables they point into."""
+
+    group_ids: np.ndarray  # uint32, gidx -> gid (sorted)
+    group_size: np.ndarray  # int64 per gidx (members in the group table)
+    gidx: np.ndarray  # int32 per record; -1 for markers
+    inst: np.ndarray  # int32/int64 per record: collective instance id, -1 for other records
+    inst_gidx: np.ndarray  # per instance
+    inst_seq: np.ndarray  # per instance
+    pair: np.ndarray  # int32/int64 per record: p2p pair id, -1 for other records
+    chan_gidx: np.ndarray  # per channel
+    chan_src: np.ndarray
+    chan_dst: np.ndarray
+    pair_chan: np.ndarray  # per pair
+    pair_seq: np.ndarray  # per pair
+    send_row: np.ndarray  # per pair: row of the send record, -1 if none
+    recv_row: np.ndarray  # per pair: row of the recv record, -1 if none
+
+    @property
+    def n_instances(self) -> int:
+        return len(self.inst_gidx)
+
+    @property
+    def n_pairs(self) -> int:
+        return len(self.pair_chan)
+
+    def gid_of_instance(self, i: int) -> int:
+        return int(self.group_ids[self.inst_gidx[i]])
+
+
+def _id_dtype(n: int) -> type:
+    return np.int32 if n < np.iinfo(np.int32).max else np.int64
+
+
+def _dense_ids(keys: np.ndarray, seqs: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ids of (key, seq) for rows with ``keys >= 0``: (id per row or -1, key per id, seq per id)."""
+    n = len(keys)
+    ids = np.full(n, -1, _id_dtype(n))
+    smin = np.full(n_keys, I64_MAX, np.int64)
+    smax = np.full(n_keys, -1, np.int64)
+    rows = 0
+    for sl in chunks(n):
+        k = keys[sl]
+        sel = k >= 0
+        np.minimum.at(smin, k[sel], seqs[sl][sel])
+        np.maximum.at(smax, k[sel], seqs[sl][sel])
+        rows += int(sel.sum())
+    if not rows:
+        return ids, np.empty(0, np.int64), np.empty(0, np.int64)
+    span = np.where(smax >= 0, smax - np.minimum(smin, smax) + 1, 0)
+    total = int(span.sum())
+    if total > DENSE_SLACK * rows + 1024:  # sparse sequence numbers (corrupt or huge): sort instead
+        sel = np.flatnonzero(keys >= 0)
+        uniq, inv = np.unique(np.stack([keys[sel].astype(np.int64), seqs[sel]]), axis=1, return_inverse=True)
+        ids[sel] = inv.reshape(-1)
+        return ids, uniq[0], uniq[1]
+    base = np.concatenate([[0], np.cumsum(span)[:-1]])
+    offset = base - smin  # slot = offset[key] + seq
+    used = np.zeros(total, bool)
+    for sl in chunks(n):
+        k = keys[sl]
+        sel = np.flatnonzero(k >= 0)
+        slot = offset[k[sel]] + seqs[sl][sel]
+        used[slot] = True
+        ids[sl][sel] = slot
+    remap = (np.cumsum(used, dtype=np.int64) - 1).astype(ids.dtype)
+    for sl in chunks(n):
+        part = ids[sl]
+        sel = part >= 0
+        part[sel] = remap[part[sel]]
+    slot_key = np.repeat(np.arange(n_keys), span)
+    slot_seq = np.arange(total) - base[slot_key] + smin[slot_key]
+    return ids, slot_key[used], slot_seq[used]
+
+
+def _group_index(trace: TraceSet, gids: np.ndarray) -> np.ndarray:
+    rec = trace.records
+    gidx = np.full(len(rec), -1, np.int32)
+    if not len(gids):
+        return gidx
+    for sl in chunks(len(rec)):
+        g = rec.group_id[sl]
+        pos = np.minimum(np.searchsorted(gids, g), len(gids) - 1)
+        known = (gids[pos] == g) & (rec.op[sl] < MARKER_MIN)
+        gidx[sl][known] = pos[known]
+    return gidx
+
+
+def index_records(trace: TraceSet) -> RecordIndex:
+    """Assign collective instance ids and p2p pair ids to every record."""
+    rec = trace.records
+    n = len(rec)
+    gids = np.array(sorted(trace.groups), dtype=np.uint32)
+    sizes = np.array([len(trace.groups[int(g)].ranks) for g in gids], dtype=np.int64)
+    gidx = _group_index(trace, gids)
+
+    coll_key = np.full(n, -1, np.int32)
+    for sl in chunks(n):
+        op = rec.op[sl]
+        coll_key[sl] = np.where((op != SEND) & (op != RECV), gidx[sl], -1)
+    inst, inst_gidx, inst_seq = _dense_ids(coll_key, rec.group_seq, len(gids))
+    del coll_key
+
+    world = max(trace.world_size, 1)
+    p_rows = np.flatnonzero(((rec.op == SEND) | (rec.op == RECV)) & (gidx >= 0) & (rec.peer >= 0)
+                            & (rec.peer < world))
+    sends = rec.op[p_rows] == SEND
+    me, peer = rec.rank[p_rows].astype(np.int64), rec.peer[p_rows].astype(np.int64)
+    chan_key = (gidx[p_rows].astype(np.int64) * world + np.where(sends, me, peer)) * world + np.where(sends, peer, me)
+    del me, peer
+    chans, chan_of = np.unique(chan_key, return_inverse=True)
+    del chan_key
+    p_ids, pair_chan, pair_seq = _dense_ids(chan_of.reshape(-1).astype(np.int32), rec.group_seq[p_rows], len(chans))
+    pair = np.full(n, -1, p_ids.dtype)
+    pair[p_rows] = p_ids
+    send_row = np.full(len(pair_chan), -1, np.int64)
+    recv_row = np.full(len(pair_chan), -1, np.int64)
+    send_row[p_ids[sends]] = p_rows[sends]
+    recv_row[p_ids[~sends]] = p_rows[~sends]
+    return RecordIndex(
+        group_ids=gids, group_size=sizes, gidx=gidx, inst=inst, inst_gidx=inst_gidx, inst_seq=inst_seq,
+        pair=pair, chan_gidx=chans // (world * world), chan_src=(chans // world) % world, chan_dst=chans % world,
+        pair_chan=pair_chan, pair_seq=pair_seq, send_row=send_row, recv_row=recv_row)

@@ -1,0 +1,42 @@
+"""The terminal summary of an analysis: the verdict first, then the evidence and the other findings."""
+
+from __future__ import annotations
+
+from megatrace.analyze.engine import AnalysisResult
+from megatrace.analyze.findings import Severity
+from megatrace.analyze.traceset import plural
+
+MAX_OTHER = 10  # other findings listed by the terminal summary (all are in findings.json)
+MAX_EVIDENCE = 4  # evidence lines shown under the verdict
+
+
+def render_summary(result: AnalysisResult) -> str:
+    """Plain text for a terminal; the first line is the verdict."""
+    lines: list[str] = []
+    top = result.verdict
+    if top is None:
+        lines.append("VERDICT: no findings")
+    else:
+        lines.append(f"VERDICT [{top.severity.value}] {top.verdict}")
+        lines.append(f"  kind {top.kind.value}, confidence {top.confidence:.2f}")
+        for item in top.evidence[:MAX_EVIDENCE]:
+            lines.append(f"  - {item}")
+        if top.remediation:
+            lines.append(f"  what to do: {top.remediation}")
+    t = result.trace
+    m = result.match.summary()
+    lines.append("")
+    lines.append(f"trace {t.path}: job {t.job_id}, {len(t.ranks)} of {t.world_size} ranks on "
+                 f"{plural(len(t.hosts), 'host')}, {len(t.records):,} records; "
+                 f"{m['collective_instances']:,} collectives ({m['incomplete_instances']} incomplete), "
+                 f"{m['p2p_pairs']:,} point-to-point pairs; "
+                 f"analysed in {result.timings.get('total', 0.0):.2f} s")
+    others = result.findings[1:]
+    shown = [f for f in others if f.severity != Severity.INFO][:MAX_OTHER] or others[:MAX_OTHER]
+    if shown:
+        lines.append("other findings:")
+        for f in shown:
+            lines.append(f"  [{f.severity.value}] {f.verdict}")
+        if len(others) > len(shown):
+            lines.append(f"  … {len(others) - len(shown)} more in findings.json")
+    return "\n".join(lines)
