@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[torch,test]"
 	touch $@
 
-# The main job on its embedded default: the 8-rank TP2·PP2·DP2 demo with an injected hang.
+# The main job on its embedded default: the 8-rank TP2·PP2·DP2 demo with an injected hang,
+# then its analysis (verdict on the terminal, findings.json beside the traces).
 demo: $(STAMP)
 	$(BIN)/megatrace demo --ranks 8 --tp 2 --pp 2 --dp 2 --steps 20 \
 		--fault hang:rank=5,step=3 -o megatrace-demo-hang
+	$(BIN)/megatrace analyze megatrace-demo-hang
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
