@@ -76,8 +76,15 @@ def _mismatch_stage(ctx: AnalysisContext) -> list[Finding]:
     return explain.mismatch_findings(ctx.trace, ctx.match)
 
 
-# Extension point: append (name, stage) pairs; e.g. ("critical_path", ...), ("stragglers", ...), ("rules", ...).
-STAGES: list[tuple[str, Stage]] = [("hang", _hang_stage), ("mismatch", _mismatch_stage)]
+def _rules_stage(ctx: AnalysisContext) -> list[Finding]:
+    from megatrace.analyze.rules import rules_stage  # imported late: rules read this module's context
+
+    return rules_stage(ctx)
+
+
+# Extension point: (name, stage) pairs, run in order; the rules engine stays last so its
+# conditions see every earlier finding.
+STAGES: list[tuple[str, Stage]] = [("hang", _hang_stage), ("mismatch", _mismatch_stage), ("rules", _rules_stage)]
 
 
 @dataclass
