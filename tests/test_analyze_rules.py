@@ -11,7 +11,8 @@ import yaml
 from analysis_factory import TraceBuilder
 
 from megatrace.analyze.engine import STAGES, analyze
-from megatrace.analyze.facts import build_facts, facts_from_meta, filter_env
+from megatrace.analyze.facts import build_facts, facts_from_meta
+from megatrace.trace.environment import filter_env
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject
 from megatrace.analyze.rules import (RULES_DIR_ENV, RuleSet, default_rules_dir, evaluate_rules, load_rules,
                                      make_rules_stage, run_rules)

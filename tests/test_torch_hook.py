@@ -62,7 +62,10 @@ def groups(tmp_path: Path, rank: int) -> dict[int, dict]:
 
 
 def test_every_traced_call_leaves_one_record_with_its_fields(tmp_path: Path) -> None:
-    finish(launch("every_op", tmp_path))
+    finish(launch("every_op", tmp_path, NCCL_DEBUG="WARN", NCCL_IB_AUTH_TOKEN="hunter2"))
+    entries, _ = read_meta(tmp_path / "rings" / "rank-00000.meta.jsonl")
+    (env,) = [e["vars"] for e in entries if e["kind"] == "env"]
+    assert env["NCCL_DEBUG"] == "WARN" and env["RANK"] == "0" and "NCCL_IB_AUTH_TOKEN" not in env
     for rank in (0, 1):
         outcome = json.loads((tmp_path / f"outcome-{rank}.json").read_text())
         recs = [r for r in records(tmp_path, rank) if r["op"] != Op.BARRIER]

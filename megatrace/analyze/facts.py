@@ -20,12 +20,12 @@ is false rather than wrong.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from megatrace.analyze.findings import Finding, order_findings
+from megatrace.trace.environment import filter_env
 
 # Finding kinds that mean the job is stopped (a root cause of a hang).
 HANG_KINDS = ("compute-hang", "comm-hang", "crashed-process", "exited-early", "deadlock", "no-trace")
@@ -34,32 +34,12 @@ RULE_KINDS = ("rule", "rule-error")
 SEVERITIES = ("critical", "error", "warning", "info")
 MAX_FINDING_ITEMS = 50  # findings listed one by one under findings.items
 
-# Environment variables kept as facts: runtime and launcher settings only. Anything that looks like a
-# credential is dropped even when its prefix matches (facts can end up quoted in findings.json).
-ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "GLOO_", "UCX_", "FI_", "MEGATRACE_", "SLURM_",
-                "OMPI_", "PMI_", "PMIX_", "OMP_", "NVTE_", "CUBLAS_", "CUDNN_")
-ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "NODE_RANK", "OMP_NUM_THREADS")
 # Settings every rank of one job should share; env_differs lists those that do not (launcher variables such as
 # RANK or SLURM_PROCID differ by design and are left out).
 CONSISTENT_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "GLOO_", "UCX_", "FI_")
-SECRET_RE = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|(?:^|_)KEY(?:$|_)", re.IGNORECASE)
-MAX_ENV_VALUE = 1024  # characters kept of one environment value
 
 # Fields of the tracer's meta "process" line kept per rank (ranks.<field>).
 PROCESS_FIELDS = ("host", "torch", "backend", "local_rank", "world_size", "pid", "argv", "nccl", "cuda", "driver")
-
-
-def filter_env(env: Mapping[str, Any] | None) -> dict[str, str]:
-    """The runtime settings of ``env`` (see :data:`ENV_PREFIXES`), values as strings, credentials dropped."""
-    out: dict[str, str] = {}
-    for name, value in (env or {}).items():
-        if not isinstance(name, str) or value is None or isinstance(value, (dict, list)):
-            continue
-        if not (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) or SECRET_RE.search(name):
-            continue
-        out[name] = str(value)[:MAX_ENV_VALUE]
-    return out
 
 
 def _int(value: Any) -> int | None:

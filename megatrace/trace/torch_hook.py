@@ -26,6 +26,7 @@ from typing import Any
 
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.completion import CompletionPoller, Handle
+from megatrace.trace.environment import filter_env
 from megatrace.trace.ring_writer import RingIdentity, RingOpenError, RingWriter
 from megatrace.trace.settings import TracerSettings
 from megatrace.trace.warnings import warn_once
@@ -128,6 +129,7 @@ class Tracer:
                               host=ident.host, pid=ident.pid, argv=sys.argv,
                               torch=getattr(self.torch, "__version__", ""),
                               backend=str(c10d.get_backend()))
+            writer.write_meta("env", vars=filter_env(env))
             self.resolve(None)
         except Exception as exc:  # noqa: BLE001
             warn_once("meta", f"cannot record process facts: {exc!r}")
