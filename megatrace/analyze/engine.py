@@ -84,7 +84,21 @@ def _rules_stage(ctx: AnalysisContext) -> list[Finding]:
 
 # Extension point: (name, stage) pairs, run in order; the rules engine stays last so its
 # conditions see every earlier finding.
-STAGES: list[tuple[str, Stage]] = [("hang", _hang_stage), ("mismatch", _mismatch_stage), ("rules", _rules_stage)]
+def _critical_path_stage(ctx: AnalysisContext) -> list[Finding]:
+    from megatrace.analyze.critical_path import critical_path_stage
+
+    return critical_path_stage(ctx)
+
+
+def _straggler_stage(ctx: AnalysisContext) -> list[Finding]:
+    from megatrace.analyze.stragglers import straggler_stage  # reuses the critical-path graphs
+
+    return straggler_stage(ctx)
+
+
+STAGES: list[tuple[str, Stage]] = [("hang", _hang_stage), ("mismatch", _mismatch_stage),
+                                   ("critical_path", _critical_path_stage), ("stragglers", _straggler_stage),
+                                   ("rules", _rules_stage)]
 
 
 @dataclass

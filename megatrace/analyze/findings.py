@@ -60,6 +60,11 @@ class Kind(str, enum.Enum):
     HEALTHY = "healthy"  # nothing stopped: the summary of a clean run
     TRACE_PROBLEM = "trace-problem"  # the input was incomplete or inconsistent
     CLOCK = "clock"  # clock alignment facts
+    STRAGGLER = "straggler"  # a rank computes slower than the ranks doing the same work
+    SLOW_LINK = "slow-link"  # transfers between two ranks take longer than the same transfers elsewhere
+    SLOW_RANK_NETWORK = "slow-rank-network"  # every transfer of one rank is slow (its NIC or host)
+    STEP_SLOWDOWN = "step-slowdown"  # steps became slower than the first healthy ones
+    CRITICAL_PATH = "critical-path"  # the step-time breakdown (info)
     RULE = "rule"  # a rule of the rules engine matched
     RULE_ERROR = "rule-error"  # a rule file or a rule could not be used (the other rules still ran)
 

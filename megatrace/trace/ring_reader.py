@@ -155,6 +155,23 @@ def _validate(raw: np.ndarray, slots: np.ndarray, capacity: int) -> tuple[np.nda
     return empty, head_ok, tail_ok
 
 
+def _drop_records_written_during_read(valid: np.ndarray, header: RingHeader) -> np.ndarray:
+    """Keep a live snapshot contiguous: drop records numbered past the write counter + 1.
+
+    The header, with the counter, is copied before the body. A fast writer that laps slots while
+    the body is copied leaves later slots holding records newer than the counter and earlier ones
+    still holding the previous lap, which is older than the window: keeping the newer ones would
+    leave a gap. (A counter below the newest record by more than a lap is damaged: ignored.)
+    """
+    if header.writer_state != fmt.WriterState.OPEN or not len(valid):
+        return valid
+    limit = header.write_counter + 1
+    newest = int(valid["seq"][-1])
+    if newest <= limit or limit + header.capacity < newest:
+        return valid
+    return valid[valid["seq"] <= limit]
+
+
 def read_ring(path: str | os.PathLike[str], retries: int = 3, retry_sleep: float = 0.002) -> RingSnapshot:
     """Read a ring file written by a live, killed or finished writer.
 
@@ -213,6 +230,7 @@ def read_ring(path: str | os.PathLike[str], retries: int = 3, retry_sleep: float
         fixed["t_complete"] = 0
         valid = np.concatenate([records[head_ok & tail_ok], fixed])
     valid = valid[np.argsort(valid["seq"], kind="stable")]  # 5x faster than sort(order=)
+    valid = _drop_records_written_during_read(valid, header)
 
     max_seq = int(valid["seq"][-1]) if len(valid) else 0
     max_seq = max(max_seq, min(header.write_counter, max_seq + 1))

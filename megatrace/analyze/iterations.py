@@ -1,0 +1,387 @@
+"""Training iterations (steps) inferred from the records alone, without markers.
+
+Every rank ends a step with the data-parallel gradient sync, so the DP group's
+collectives repeat with a fixed pattern (one ``all_reduce``, or
+``reduce_scatter`` + ``all_gather``): the ``k``-th repetition ends step ``k``
+(``method="dp-sync"``). Without a DP sync (dp == 1) the pipeline numbers the
+steps: each point-to-point channel between adjacent stages carries one message
+per microbatch per step (``method="pipeline"``), and the schedule match
+(:mod:`megatrace.analyze.segments`) places the records in between. Markers
+(``MARK_STEP``) are never used; tests compare against them.
+
+Per rank and step this module also measures the compute: the time outside any
+communication call (from the end of one call to the enqueue of the next), the
+quantity that ranks doing the same work should share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatrace.analyze.findings import Kind
+from megatrace.analyze.index import CHUNK, RecordIndex
+from megatrace.analyze.segments import (ACT_IN, ACT_OUT, DP, GRAD_IN, GRAD_OUT, MARKER, OTHER, P2P_ROLES, PP_OTHER,
+                                        TP, RankSegments, Segmenter)
+from megatrace.analyze.traceset import TraceSet
+from megatrace.config import Layout
+from megatrace.schedule import SCHEDULES
+from megatrace.trace.ring_format import Op
+
+DP_PATTERN_MAX = 8  # longest DP pattern per step looked for (all_reduce: 1, reduce_scatter + all_gather: 2)
+PERIOD_MISMATCH = 0.05  # share of a rank's records that may break its repeating pattern (setup, a final barrier)
+MAX_PERIOD_RECORDS = 4000  # records of one rank used to find its period (the pattern repeats every step)
+CHECK_STEPS = 4  # steps of one rank per stage matched against the schedule up front (dp-sync mode)
+
+
+@dataclass
+class Iterations:
+    """Step boundaries and per-rank step facts (times in aligned ns; rank axis in ``TraceSet.ranks`` order)."""
+
+    method: str  # "dp-sync", "pipeline" or "none"
+    steps: np.ndarray  # step numbers complete on every rank, ascending
+    rank_start: np.ndarray  # [n_ranks, n_steps] end of the rank's previous step (or its first enqueue)
+    rank_end: np.ndarray  # [n_ranks, n_steps] completion of the rank's last record of the step
+    compute: np.ndarray  # [n_ranks, n_steps] time outside communication calls during the step
+    record_step: np.ndarray  # per record: its step, -1 when unknown (markers, setup, an unfinished step)
+    roles: np.ndarray  # per record role (megatrace.analyze.segments role codes)
+    microbatches: int | None = None
+    dp_per_step: int | None = None
+    segments: dict[int, RankSegments] = field(default_factory=dict)  # pipeline mode: every rank's match
+    schedule_problem: str | None = None  # why the schedule cannot be matched (then no dependency graph)
+    notes: list[str] = field(default_factory=list)
+    dp_arrival: np.ndarray | None = None  # [n_ranks, n_steps] first DP enqueue of the step (0: none)
+    segmenter: Segmenter | None = None  # matches ranks on demand (dp-sync mode)
+    gap: np.ndarray | None = None  # per record, float32: the compute before it (see compute_gaps)
+
+    def segments_for(self, ranks: list[int], steps: np.ndarray) -> dict[int, RankSegments]:
+        """Schedule matches of ``ranks`` covering ``steps`` (sorted); raises SegmentError."""
+        if self.segments:
+            return {r: self.segments[r] for r in ranks if r in self.segments}
+        if self.segmenter is None:
+            return {}
+        return {r: self.segmenter.rank(r, np.asarray(steps)) for r in ranks}
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def end_ns(self) -> np.ndarray:
+        """Per step, when the last rank finished it."""
+        return self.rank_end.max(axis=0) if self.n_steps else np.zeros(0, np.int64)
+
+    @property
+    def start_ns(self) -> np.ndarray:
+        """Per step, the end of the previous step (for the first one, the earliest start of any rank)."""
+        if not self.n_steps:
+            return np.zeros(0, np.int64)
+        end = self.end_ns
+        start = np.empty_like(end)
+        start[0] = self.rank_start[:, 0].min()
+        start[1:] = np.where(np.diff(self.steps) == 1, end[:-1], self.rank_start[:, 1:].min(axis=0))
+        return start
+
+    @property
+    def step_ns(self) -> np.ndarray:
+        return self.end_ns - self.start_ns
+
+    def summary(self) -> dict:
+        return {"method": self.method, "steps": [int(s) for s in self.steps[:1]] + [int(s) for s in self.steps[-1:]],
+                "n_steps": self.n_steps, "microbatches": self.microbatches, "dp_per_step": self.dp_per_step,
+                "schedule_matched": self.segmenter is not None and self.schedule_problem is None}
+
+
+def group_roles(trace: TraceSet, ix: RecordIndex, layout: Layout | None) -> np.ndarray:
+    """Role (TP, DP, PP_OTHER for the pipeline group, OTHER) of each group index, by description or membership."""
+    by_desc = {"tp": TP, "dp": DP, "pp": PP_OTHER}
+    out = np.full(len(ix.group_ids), OTHER, np.int8)
+    for k, gid in enumerate(ix.group_ids.tolist()):
+        g = trace.groups[int(gid)]
+        if len(g.ranks) < 2:
+            continue
+        if g.desc in by_desc:
+            out[k] = by_desc[g.desc]
+        elif not g.desc and layout is not None and max(g.ranks) < layout.world_size:
+            for kind in ("tp", "pp", "dp"):
+                if list(g.ranks) == layout.group_of(kind, g.ranks[0]):
+                    out[k] = by_desc[kind]
+                    break
+    return out
+
+
+def record_roles(trace: TraceSet, ix: RecordIndex, layout: Layout | None) -> np.ndarray:
+    """Per record: TP / DP collective, pipeline p2p direction (activation or gradient, in or out), marker, other."""
+    rec = trace.records
+    groles = group_roles(trace, ix, layout)
+    role = np.where(ix.gidx >= 0, groles[np.maximum(ix.gidx, 0)], OTHER).astype(np.int8)
+    role[rec.op >= Op.MARK_STEP] = MARKER
+    p2p = (rec.op == Op.SEND) | (rec.op == Op.RECV)
+    role[(role == TP) & p2p] = OTHER
+    role[(role == DP) & p2p] = OTHER
+    pp = role == PP_OTHER
+    role[pp & ~p2p] = OTHER
+    if layout is None:
+        return role
+    world = layout.world_size
+    stage = np.array([layout.coords(r).pp for r in range(world)], np.int64)
+    rows = np.flatnonzero(pp & p2p & (rec.peer >= 0) & (rec.peer < world) & (rec.rank < world))
+    me, other = stage[rec.rank[rows]], stage[rec.peer[rows]]
+    send = rec.op[rows] == Op.SEND
+    new = np.full(len(rows), PP_OTHER, np.int8)
+    new[~send & (other == me - 1)] = ACT_IN
+    new[send & (other == me + 1)] = ACT_OUT
+    new[~send & (other == me + 1)] = GRAD_IN
+    new[send & (other == me - 1)] = GRAD_OUT
+    role[rows] = new
+    return role
+
+
+def smallest_period(tokens: np.ndarray, max_period: int | None = None,
+                    max_mismatch: float = PERIOD_MISMATCH) -> int | None:
+    """The smallest ``p`` with ``tokens[i] == tokens[i + p]`` for all but ``max_mismatch`` of the ``i``."""
+    n = len(tokens)
+    limit = min(n // 2, max_period or n // 2)
+    for p in range(1, limit + 1):
+        if np.count_nonzero(tokens[p:] != tokens[:-p]) <= max_mismatch * (n - p):
+            return p
+    return None
+
+
+def _dp_pattern(trace: TraceSet, role: np.ndarray) -> int | None:
+    """DP collectives per step: the period of (op, size) over one DP member's DP records."""
+    rows = np.flatnonzero(role == DP)
+    if not len(rows):
+        return None
+    rec = trace.records
+    mine = rows[rec.rank[rows] == rec.rank[rows[0]]]
+    mine = mine[rec.group_id[mine] == rec.group_id[mine[0]]][:MAX_PERIOD_RECORDS]
+    tokens = rec.op[mine].astype(np.int64) << 40 | rec.nbytes[mine]
+    return smallest_period(tokens, DP_PATTERN_MAX) or (1 if len(mine) == 1 else None)
+
+
+def _microbatches(trace: TraceSet, role: np.ndarray, layout: Layout, notes: list[str]) -> int:
+    """Messages per channel per step: one period of a first-stage rank's record pattern, checked against the layout."""
+    rec = trace.records
+    for rank in trace.ranks.tolist():
+        if layout.coords(rank).pp != 0:
+            continue
+        rows = np.arange(*trace.rows(rank).indices(len(rec)))
+        rows = rows[role[rows] != MARKER][:MAX_PERIOD_RECORDS]
+        tokens = (role[rows].astype(np.int64) << 48) | (rec.group_id[rows].astype(np.int64) << 16) \
+            | (rec.peer[rows].astype(np.int64) & 0xFFFF)
+        period = smallest_period(tokens)
+        if period is None:
+            continue
+        found = int(np.count_nonzero(role[rows[:period]] == ACT_OUT))
+        # The smallest period can be a part of a step (tp == dp == 1: the p2p pattern repeats per microbatch
+        # pair), so the records only overrule a layout that says fewer microbatches than one period shows.
+        if found > layout.microbatches:
+            notes.append(f"the records show {found} microbatches per step, the layout says {layout.microbatches}: "
+                         f"using {found}")
+            return found
+        break
+    return layout.microbatches
+
+
+def rank_chunks(trace: TraceSet, max_rows: int = CHUNK) -> Iterator[tuple[int, int]]:
+    """Ranges ``[i0, i1)`` of rank positions whose records span at most about ``max_rows`` rows."""
+    n = len(trace.ranks)
+    i0 = 0
+    while i0 < n:
+        i1 = int(np.searchsorted(trace.starts, trace.starts[i0] + max_rows, side="right")) - 1
+        i1 = min(max(i1, i0 + 1), n)
+        yield i0, i1
+        i0 = i1
+
+
+def _positions(trace: TraceSet, i0: int, i1: int) -> np.ndarray:
+    """For the rows of ranks ``[i0, i1)``, each row's rank position (int64)."""
+    return np.repeat(np.arange(i0, i1, dtype=np.int64), np.diff(trace.starts[i0:i1 + 1]))
+
+
+def compute_gaps(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarray) -> np.ndarray:
+    """Per record, the compute before it: its enqueue minus the end of every earlier call of its rank (>= 0).
+
+    A segmented running maximum: each rank's times are shifted into a band of their own (chunks of ranks).
+    Returned as float32 ns (a few ns off at most for gaps below a second).
+    """
+    gap = np.zeros(len(te), np.float32)
+    for i0, i1 in rank_chunks(trace):
+        lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
+        rows = lo + np.flatnonzero(role[lo:hi] != MARKER)
+        if len(rows) < 2:
+            continue
+        pos = _positions(trace, i0, i1)[rows - lo] - i0
+        new = np.r_[True, pos[1:] != pos[:-1]]
+        heads = np.flatnonzero(new)
+        t = te[rows]
+        base = np.minimum.reduceat(t, heads)[np.cumsum(new) - 1]
+        local_te = t - base
+        local_end = np.maximum(tc[rows], t) - base  # no completion (0): the enqueue
+        span = int(local_end.max()) + 1
+        if span * (i1 - i0) >= np.iinfo(np.int64).max // 2:  # bands would overflow: one rank at a time
+            busy = np.empty_like(local_end)
+            for a, b in zip(heads.tolist(), heads[1:].tolist() + [len(rows)]):
+                busy[a:b] = np.maximum.accumulate(local_end[a:b])
+        else:
+            band = pos.astype(np.int64) * span
+            busy = np.maximum.accumulate(local_end + band) - band
+        same = ~new[1:]
+        gap[rows[1:][same]] = np.maximum(local_te[1:][same] - busy[:-1][same], 0)
+    return gap
+
+
+def _steps_from_ends(trace: TraceSet, ends: np.ndarray, end_step: np.ndarray, record_step: np.ndarray) -> None:
+    """Each record belongs to the step of the next step-ending record of its rank (none after: -1)."""
+    if not len(ends):
+        return
+    end_pos = np.searchsorted(trace.starts, ends, side="right") - 1
+    for i0, i1 in rank_chunks(trace):
+        lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
+        rows = np.arange(lo, hi)
+        nxt = np.searchsorted(ends, rows)
+        inside = nxt < len(ends)
+        rank_pos = _positions(trace, i0, i1)
+        inside[inside] &= end_pos[nxt[inside]] == rank_pos[inside]
+        record_step[lo:hi][inside] = end_step[nxt[inside]]
+    # A wrapped ring (oldest records overwritten), or one loaded from its tail only, starts inside a step: that
+    # first step is partial.
+    tail_only = getattr(trace, "tail", None) is not None
+    for i in [k for k, info in enumerate(trace.rank_info) if info.dropped > 0 or tail_only]:
+        mine = end_step[end_pos == i]
+        if len(mine):
+            sl = slice(int(trace.starts[i]), int(trace.starts[i + 1]))
+            record_step[sl][record_step[sl] == mine[0]] = -1
+
+
+def infer_iterations(trace: TraceSet, ix: RecordIndex, te: np.ndarray, tc: np.ndarray,
+                     layout: Layout | None = None) -> Iterations:
+    """Find the steps, match every rank against its stage's schedule, and measure compute per rank and step."""
+    layout = layout if layout is not None else trace.layout
+    rec = trace.records
+    role = record_roles(trace, ix, layout)
+    notes: list[str] = []
+    record_step = np.full(len(rec), -1, np.int32)
+    dp_per_step = _dp_pattern(trace, role)
+    method = "none"
+    mb: int | None = None
+    if dp_per_step:
+        method = "dp-sync"
+        dp_rows = np.flatnonzero(role == DP)
+        ends = dp_rows[rec.group_seq[dp_rows] % dp_per_step == 0]
+        _steps_from_ends(trace, ends, (rec.group_seq[ends] - 1) // dp_per_step, record_step)
+    elif layout is not None and layout.pp > 1 and np.isin(role, P2P_ROLES).any():
+        method = "pipeline"
+    elif layout is None and not (role == DP).any():
+        notes.append("no layout and no DP group: steps cannot be inferred")
+    if layout is not None and layout.pp > 1 or method == "pipeline":
+        mb = _microbatches(trace, role, layout, notes) if layout is not None else None
+
+    segmenter = None
+    problem = None
+    if layout is not None and method != "none":
+        if layout.schedule in SCHEDULES:
+            segmenter = Segmenter(trace, role, te, tc, ix.pair, ix.send_row, ix.recv_row, layout,
+                                  mb or layout.microbatches, dp_per_step or 0, record_step)
+        else:
+            problem = f"schedule {layout.schedule!r} is not modelled"
+    segments: dict[int, RankSegments] = {}
+    if segmenter is not None and method == "pipeline":  # the schedule match also places the records in steps
+        segments, problem = segmenter.all_ranks()
+    record_step[role == MARKER] = -1
+    it = _per_step(trace, role, te, tc, record_step, method, mb, dp_per_step, segments, notes)
+    if segmenter is not None and method == "dp-sync" and it.n_steps and problem is None:
+        problem = segmenter.check(it.steps[:CHECK_STEPS])
+    it.segmenter, it.schedule_problem = segmenter, problem
+    if problem:
+        notes.append(f"no dependency graph: {problem}")
+    return it
+
+
+def _per_step(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarray, record_step: np.ndarray,
+              method: str, mb: int | None, dp_per_step: int | None, segments: dict[int, RankSegments],
+              notes: list[str]) -> Iterations:
+    """Per rank and step: start, end, compute and DP arrival; keep the steps complete on every rank."""
+    n_ranks = len(trace.ranks)
+    known = record_step >= 0
+    empty = Iterations(method, np.zeros(0, np.int64), np.zeros((n_ranks, 0), np.int64),
+                       np.zeros((n_ranks, 0), np.int64), np.zeros((n_ranks, 0), np.int64), record_step, role, mb,
+                       dp_per_step, segments, notes=notes)
+    if not known.any():
+        return empty
+    k0, k1 = int(record_step[known].min()), int(record_step[known].max())
+    n = k1 - k0 + 1
+    gap = compute_gaps(trace, role, te, tc)
+    count = np.zeros(n_ranks * n, np.int64)
+    end = np.zeros(n_ranks * n, np.int64)
+    first = np.full(n_ranks * n, np.iinfo(np.int64).max, np.int64)
+    compute = np.zeros(n_ranks * n, np.float64)
+    arrival = np.full(n_ranks * n, np.iinfo(np.int64).max, np.int64)
+    dp_end = np.zeros(n_ranks * n, bool)
+    gseq = trace.records.group_seq
+    for i0, i1 in rank_chunks(trace):
+        lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
+        rows = lo + np.flatnonzero(known[lo:hi])
+        cell = _positions(trace, i0, i1)[rows - lo] * n + record_step[rows].astype(np.int64) - k0
+        count += np.bincount(cell, minlength=n_ranks * n)
+        compute += np.bincount(cell, weights=gap[rows], minlength=n_ranks * n)
+        _cell_reduce(np.maximum, end, cell, np.maximum(tc[rows], te[rows]))
+        _cell_reduce(np.minimum, first, cell, te[rows])
+        dp = role[rows] == DP
+        _cell_reduce(np.minimum, arrival, cell[dp], te[rows][dp])
+        if dp_per_step:
+            dp_end[cell[dp & (gseq[rows] % dp_per_step == 0) & (tc[rows] > 0)]] = True  # it completed
+    arrival[arrival == np.iinfo(np.int64).max] = 0
+    end, first, compute = end.reshape(n_ranks, n), first.reshape(n_ranks, n), compute.reshape(n_ranks, n)
+    arrival, count = arrival.reshape(n_ranks, n), count.reshape(n_ranks, n)
+    # A step is complete on a rank when it has records and (being the rank's first) nothing before it is missing.
+    complete = count > 0
+    if method == "dp-sync":  # the rank's step must end with a completed DP sync
+        complete &= dp_end.reshape(n_ranks, n)
+    for i, rank in enumerate(trace.ranks.tolist()):  # pipeline mode: the schedule match must hold
+        seg = segments.get(rank)
+        if seg is not None:
+            ok = np.zeros(n, bool)
+            sel = (seg.steps >= k0) & (seg.steps <= k1)
+            ok[seg.steps[sel] - k0] = seg.ok[sel]
+            complete[i] &= ok
+    good = complete.all(axis=0)
+    if not good.any():
+        notes.append("no step is complete on every rank")
+        return empty
+    idx = np.flatnonzero(good)
+    start = np.where(np.arange(n)[None, :] > 0, np.roll(end, 1, axis=1), first)
+    start = np.where(start > 0, start, first)
+    steps = idx + k0
+    record_step[known & ~np.isin(record_step, steps)] = -1
+    return Iterations(method, steps, start[:, idx], end[:, idx], compute[:, idx].astype(np.int64), record_step,
+                      role, mb, dp_per_step, segments, notes=notes, dp_arrival=arrival[:, idx], gap=gap)
+
+
+def _cell_reduce(ufunc: np.ufunc, out: np.ndarray, cell: np.ndarray, values: np.ndarray) -> None:
+    """``out[cell] = ufunc(out[cell], values)`` per cell: ``reduceat`` when cells come sorted (the usual case)."""
+    if not len(cell):
+        return
+    if (np.diff(cell) >= 0).all():
+        heads = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
+        cells = cell[heads]
+        out[cells] = ufunc(out[cells], ufunc.reduceat(values, heads))
+    else:
+        ufunc.at(out, cell, values)
+
+
+def iterations_of(ctx) -> Iterations:  # ctx: megatrace.analyze.engine.AnalysisContext (not imported: cycle)
+    """The context's iterations, inferred once and shared by the critical-path and straggler stages."""
+    it = ctx.results.get("iterations")
+    if it is None:
+        it = infer_iterations(ctx.trace, ctx.match.index, ctx.clock.t_enqueue, ctx.clock.t_complete)
+        ctx.results["iterations"] = it
+    return it
+
+
+def perf_kind(name: str) -> Kind:
+    """``Kind.<name>`` of a performance finding."""
+    return Kind[name]

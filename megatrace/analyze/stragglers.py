@@ -1,0 +1,306 @@
+"""Stragglers and slow links: who keeps the others waiting, by how much time, and how sure we are.
+
+*Stragglers.* Ranks doing the same work (same pipeline stage; the same TP
+position too when there are enough such ranks) should spend the same compute
+time per step (the time outside communication calls). Each rank's excess over
+the median of its peers is taken per step; the median over the steady steps is
+the effect, its MAD and the share of steps with a positive excess give the
+confidence. Blame is in time: for every collective instance, the arrival lag
+(last enqueue − median enqueue, aligned clocks) is charged to the last
+arrival, split into the part its own compute explains (its compute gap before
+the call beyond its peers') and the rest (it came late from an earlier, slow
+call).
+
+Slow links and the delay matrix are in :mod:`megatrace.analyze.links`; this
+module runs both and returns their findings.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatrace.analyze.findings import Finding, Severity
+from megatrace.analyze.index import RecordIndex
+from megatrace.analyze.iterations import Iterations, compute_gaps, iterations_of, perf_kind
+from megatrace.analyze.links import PairStats, analyze_links, delay_matrix, link_finding, slow_rank_finding
+from megatrace.analyze.match import Collectives
+from megatrace.analyze.traceset import TraceSet, rank_list
+from megatrace.analyze.words import duration, rank_label, rank_subject
+from megatrace.trace.ring_format import State
+
+WARMUP_STEPS = 1  # the first step is excluded: allocator, connection setup and autograd warm-up dominate it
+MIN_PEERS_SAME_TP = 3  # compare with ranks of the same stage *and* TP position only when there are this many
+SMALL_GROUP = 16  # up to this many peers the reference leaves the rank itself out (exact); beyond, it is noise
+# A straggler must compute, per step, at least ...
+MIN_EXCESS_NS = 5_000_000  # ... 5 ms more than its peers (healthy demo ranks on 2 loaded cores: up to ~7 ms)
+MIN_EXCESS_REL = 0.2  # ... and 20% more: healthy demo ranks on a loaded machine reach 11%, a 1.5x slow rank 30%+
+MIN_STEP_SHARE = 0.03  # ... and the excess is at least 3% of the step time (else it cannot matter)
+MIN_CONSISTENCY = 0.8  # ... in at least 80% of the steady steps (noise flips sign; a slow GPU does not)
+MIN_STEPS = 3  # steady steps needed for any verdict
+MAX_LISTED = 8  # ranks or links named one by one in a finding
+
+
+@dataclass
+class RankStats:
+    """One rank against the ranks doing the same work (ns; medians over the steady steps)."""
+
+    rank: int
+    group: tuple[int, ...]  # the ranks doing the same work, this one included
+    compute_ns: int  # per step
+    peer_compute_ns: int  # median of the peers, per step
+    excess_ns: int  # median over steps of (own − peers' median)
+    mad_ns: int  # median absolute deviation of that excess
+    steps_slower: int  # steps with a positive excess
+    steps: int
+    lag_caused_ns: int = 0  # arrival lag charged to this rank as the last arrival (all steady collectives)
+    lag_own_ns: int = 0  # the part its own compute before the call explains
+    last_arrivals: int = 0
+    collectives: int = 0
+    confidence: float = 0.0
+    straggler: bool = False
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(r for r in self.group if r != self.rank)
+
+    @property
+    def relative(self) -> float:
+        return self.excess_ns / self.peer_compute_ns if self.peer_compute_ns else 0.0
+
+    @property
+    def consistency(self) -> float:
+        return self.steps_slower / self.steps if self.steps else 0.0
+
+
+@dataclass
+class StragglerResult:
+    """Plain data for the report: per-rank statistics, the delay matrix and what was flagged."""
+
+    steps: list[int]  # the steady steps used
+    step_ns: int  # their median step time
+    ranks: dict[int, RankStats]
+    pairs: list[PairStats]
+    delay: np.ndarray | None  # [world, world] excess transfer time (ns), NaN where unmeasured; None when large
+    stragglers: list[int] = field(default_factory=list)  # flagged, worst first
+    slow_ranks: list[int] = field(default_factory=list)  # ranks whose every pair is slow (row + column)
+    slow_links: list[PairStats] = field(default_factory=list)  # cells not explained by a slow rank
+    impact_ns: dict[int, int] = field(default_factory=dict)  # straggler -> step time it costs (critical path)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {"steps": self.steps[:1] + self.steps[-1:], "step_ns": self.step_ns,
+                "stragglers": self.stragglers, "slow_ranks": self.slow_ranks,
+                "slow_links": [sorted((p.a, p.b)) for p in self.slow_links],
+                "ranks": {r: {"excess_ns": s.excess_ns, "relative": round(s.relative, 3),
+                              "consistency": round(s.consistency, 2), "lag_caused_ns": s.lag_caused_ns,
+                              "confidence": round(s.confidence, 3)} for r, s in sorted(self.ranks.items())},
+                "notes": self.notes}
+
+
+# -- stragglers ------------------------------------------------------------------------------------------------
+
+def peer_groups(trace: TraceSet) -> list[np.ndarray]:
+    """Positions (in ``trace.ranks``) of ranks doing the same work: one stage (and TP position, if enough)."""
+    n = len(trace.ranks)
+    layout = trace.layout
+    if layout is None:
+        return [np.arange(n)]
+    inside = trace.ranks < layout.world_size
+    coords = np.array([layout.coords(int(r)) if ok else (-1, -1, -1) for r, ok in zip(trace.ranks, inside)],
+                      np.int64).reshape(n, 3)
+    out = []
+    for stage in np.unique(coords[inside, 0]).tolist():
+        mine = np.flatnonzero(inside & (coords[:, 0] == stage))
+        by_tp = [mine[coords[mine, 2] == t] for t in np.unique(coords[mine, 2]).tolist()]
+        if all(len(g) >= MIN_PEERS_SAME_TP for g in by_tp):
+            out += by_tp
+        else:
+            out.append(mine)
+    return out
+
+
+def _confidence(s: RankStats, n_peers: int) -> float:
+    """Sign-test certainty that the excess is not noise, scaled by how far the effect clears the thresholds."""
+    if not s.steps or s.excess_ns <= 0:
+        return 0.0
+    k, n = s.steps_slower, s.steps
+    tail = _sign_tail(k, n)  # P(>= k positive | no effect)
+    certain = 1.0 - tail
+    effect = min(1.0, s.excess_ns / (2 * MIN_EXCESS_NS), s.relative / (2 * MIN_EXCESS_REL))
+    peers = 1.0 if n_peers >= 2 else 0.85  # one peer: which of the two is slow rests on the sign alone
+    return round(max(0.0, min(0.98, certain * (0.5 + 0.5 * effect) * peers)), 3)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sign_tail(k: int, n: int) -> float:
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+
+
+def compare_peers(trace: TraceSet, it: Iterations) -> tuple[dict[int, RankStats], list[int]]:
+    """Per rank compute vs its peers over the steady steps; returns the stats and the steady step numbers."""
+    first = min(WARMUP_STEPS, max(it.n_steps - 1, 0)) if it.n_steps > MIN_STEPS else 0
+    cols = np.arange(first, it.n_steps)
+    compute = it.compute[:, cols].astype(np.float64)
+    ranks = trace.ranks.tolist()
+    out: dict[int, RankStats] = {}
+    if not len(cols):
+        return out, []
+    for group in peer_groups(trace):
+        if len(group) < 2:
+            continue
+        members = tuple(ranks[i] for i in group)
+        mine = compute[group]
+        if len(group) <= SMALL_GROUP:  # the peers' median without the rank itself
+            ref = np.stack([np.median(np.delete(mine, k, axis=0), axis=0) for k in range(len(group))])
+        else:  # one rank barely moves the median of many
+            ref = np.broadcast_to(np.median(mine, axis=0), mine.shape)
+        excess = mine - ref
+        med = np.median(excess, axis=1)
+        mad = np.median(np.abs(excess - med[:, None]), axis=1)
+        slower = (excess > 0).sum(axis=1)
+        own, peer = np.median(mine, axis=1), np.median(ref, axis=1)
+        for k, i in enumerate(group.tolist()):
+            out[ranks[i]] = RankStats(ranks[i], members, int(own[k]), int(peer[k]), int(med[k]), int(mad[k]),
+                                      int(slower[k]), len(cols))
+    return out, it.steps[cols].tolist()
+
+
+def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray, gap: np.ndarray,
+                 steps: list[int]) -> dict[int, tuple[int, int, int, int]]:
+    """Per rank: (lag caused as last arrival, part explained by its own compute, times last, instances entered).
+
+    Only complete collective instances of ``steps`` with two or more members count.
+    """
+    rec = trace.records
+    rows = np.flatnonzero((ix.inst >= 0) & np.isin(it.record_step, steps) & (rec.state == State.COMPLETED))
+    inst = ix.inst[rows]
+    ok = (c.complete & (c.n_members >= 2))[inst]
+    rows, inst = rows[ok], inst[ok]
+    if not len(rows):
+        return {}
+    order = np.lexsort((te[rows], inst))
+    rows, inst = rows[order], inst[order]
+    starts = np.flatnonzero(np.r_[True, np.diff(inst) != 0])
+    sizes = np.diff(np.r_[starts, len(rows)])
+    med_te = te[rows][starts + (sizes - 1) // 2]
+    last = rows[starts + sizes - 1]
+    lag = te[last] - med_te
+    # The last arrival's own compute before the call, beyond the (lower) median compute gap of the members.
+    by_gap = np.lexsort((gap[rows], inst))
+    med_gap = gap[rows][by_gap][starts + (sizes - 1) // 2]
+    own = np.clip(gap[last] - med_gap, 0, lag)
+    who = rec.rank[last]
+    out: dict[int, tuple[int, int, int, int]] = {}
+    entered = np.bincount(rec.rank[rows], minlength=trace.world_size)
+    caused = np.bincount(who, weights=lag, minlength=trace.world_size)
+    owned = np.bincount(who, weights=own, minlength=trace.world_size)
+    times = np.bincount(who, minlength=trace.world_size)
+    for r in trace.ranks.tolist():
+        out[r] = (int(caused[r]), int(owned[r]), int(times[r]), int(entered[r]))
+    return out
+
+
+def judge(stats: dict[int, RankStats], step_ns: int) -> list[int]:
+    """Flag stragglers (worst excess first) and set each rank's confidence."""
+    flagged = []
+    for s in stats.values():
+        s.confidence = _confidence(s, len(s.group) - 1)
+        s.straggler = (s.steps >= MIN_STEPS and s.excess_ns >= MIN_EXCESS_NS and s.relative >= MIN_EXCESS_REL
+                       and s.excess_ns >= MIN_STEP_SHARE * step_ns and s.consistency >= MIN_CONSISTENCY)
+        if s.straggler:
+            flagged.append(s.rank)
+    return sorted(flagged, key=lambda r: -stats[r].excess_ns)
+
+
+# -- the analysis ----------------------------------------------------------------------------------------------
+
+def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray,
+                       tc: np.ndarray) -> StragglerResult:
+    """Straggler statistics, arrival-lag blame, the delay matrix and slow links over the steady steps."""
+    world = trace.world_size
+    if not it.n_steps:
+        return StragglerResult([], 0, {}, [], delay_matrix([], world), notes=["no complete step: nothing to compare"])
+    stats, steps = compare_peers(trace, it)
+    step_cols = np.isin(it.steps, steps)
+    step_ns = int(np.median(it.step_ns[step_cols]))
+    gap = it.gap if it.gap is not None else compute_gaps(trace, it.roles, te, tc)
+    for r, (caused, own, times, entered) in arrival_lags(trace, ix, c, it, te, gap, steps).items():
+        if r in stats:
+            s = stats[r]
+            s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
+    flagged = judge(stats, step_ns)
+    pairs, delay, slow_ranks, slow_links = analyze_links(trace, ix, c, it, te, tc, steps)
+    notes = []
+    if len(steps) < MIN_STEPS:
+        notes.append(f"only {len(steps)} steady steps: too few to judge stragglers")
+    return StragglerResult(steps, step_ns, stats, pairs, delay, flagged, slow_ranks, slow_links, notes=notes)
+
+
+def _impact(ctx, result: StragglerResult) -> None:
+    """Per straggler, the step time it costs: critical paths re-run at its peers' speed (when available)."""
+    from megatrace.analyze.critical_path import what_if
+
+    cp = ctx.results.get("critical_path")
+    if cp is None or not cp.graphs:
+        return
+    length = {p.step: p.length_ns for p in cp.paths}
+    graphs = [g for g in cp.graphs if g.step in set(result.steps) and g.step in length]
+    for r in result.stragglers:
+        s = result.ranks[r]
+        scale = {r: s.peer_compute_ns / s.compute_ns} if s.compute_ns else {}
+        saved = [length[g.step] - what_if(g, scale) for g in graphs]
+        if saved:
+            result.impact_ns[r] = max(0, int(np.median(saved)))
+
+
+def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding:
+    s = res.ranks[r]
+    peers = rank_list(list(s.peers))
+    verdict = (f"{rank_label(trace, r)} computes {s.relative:.0%} slower than the ranks doing the same work "
+               f"({duration(s.excess_ns)} more per step than {peers})")
+    impact = res.impact_ns.get(r)
+    if impact:
+        verdict += f"; at their speed steps would take {duration(impact)} ({impact / res.step_ns:.0%}) less"
+    evidence: list[str | dict[str, Any]] = [
+        f"compute per step (outside communication calls): rank {r} {duration(s.compute_ns)}, its peers "
+        f"{peers} {duration(s.peer_compute_ns)} (median over steps {res.steps[0]}–{res.steps[-1]})",
+        f"slower than its peers in {s.steps_slower} of {s.steps} steps (spread of the excess: MAD "
+        f"{duration(s.mad_ns)})"]
+    if s.collectives:
+        evidence.append(f"arrived last in {s.last_arrivals} of its {s.collectives} collectives, keeping the other "
+                        f"members waiting {duration(s.lag_caused_ns)} in total "
+                        f"({duration(s.lag_own_ns)} of it explained by its own compute before the call)")
+    return Finding(
+        id=f"straggler:rank-{r}", severity=Severity.WARNING, kind=perf_kind("STRAGGLER"),
+        subject=rank_subject(trace, r), verdict=verdict, evidence=evidence,
+        remediation=("Check this rank's GPU and host against its peers: clocks and throttling (nvidia-smi -q -d "
+                     "PERFORMANCE, temperature, power), other processes on the node, CPU binding and data "
+                     "loading; drain the node if its GPU is degraded."),
+        confidence=s.confidence * trace.coverage, impact=len(trace.ranks),
+        data={"excess_ns": s.excess_ns, "relative": round(s.relative, 3), "compute_ns": s.compute_ns,
+              "peer_compute_ns": s.peer_compute_ns, "peers": list(s.peers)[:MAX_LISTED],
+              "consistency": round(s.consistency, 2), "lag_caused_ns": s.lag_caused_ns, "lag_own_ns": s.lag_own_ns,
+              "impact_ns": impact})
+
+
+def straggler_findings(trace: TraceSet, res: StragglerResult) -> list[Finding]:
+    found = [_straggler_finding(trace, res, r) for r in res.stragglers[:MAX_LISTED]]
+    found += [slow_rank_finding(trace, res.pairs, res.steps, r) for r in res.slow_ranks[:MAX_LISTED]]
+    found += [link_finding(trace, res.pairs, res.steps, p) for p in res.slow_links[:MAX_LISTED]]
+    return found
+
+
+def straggler_stage(ctx) -> list[Finding]:  # ctx: megatrace.analyze.engine.AnalysisContext
+    """Engine stage: stragglers and slow links into ``ctx.results["stragglers"]``, and their findings."""
+    it = iterations_of(ctx)
+    res = analyze_stragglers(ctx.trace, ctx.match.index, ctx.match.collectives, it, ctx.clock.t_enqueue,
+                             ctx.clock.t_complete)
+    _impact(ctx, res)
+    ctx.results["stragglers"] = res
+    return straggler_findings(ctx.trace, res)
+
