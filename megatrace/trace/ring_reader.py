@@ -156,7 +156,7 @@ def _validate(raw: np.ndarray, slots: np.ndarray, capacity: int) -> tuple[np.nda
 
 
 def _drop_records_written_during_read(valid: np.ndarray, header: RingHeader) -> np.ndarray:
-    """Keep a live snapshot contiguous: drop records numbered past the write counter + 1.
+    """Keep a live snapshot contiguous: drop records numbered past the write counter + 1, and the ones they lapped.
 
     The header, with the counter, is copied before the body. A fast writer that laps slots while
     the body is copied leaves later slots holding records newer than the counter and earlier ones
@@ -166,10 +166,17 @@ def _drop_records_written_during_read(valid: np.ndarray, header: RingHeader) -> 
     if header.writer_state != fmt.WriterState.OPEN or not len(valid):
         return valid
     limit = header.write_counter + 1
+    cap = header.capacity
     newest = int(valid["seq"][-1])
-    if newest <= limit or limit + header.capacity < newest:
+    if newest <= limit or limit + cap < newest:
         return valid
-    return valid[valid["seq"] <= limit]
+    later = valid["seq"][valid["seq"] > limit].astype(np.int64)
+    # Each later record overwrote, during the copy, the record its slot held when the counter was
+    # read: the newest such is `cutoff`. Everything up to it counts as overwritten, so the snapshot
+    # stays one contiguous run instead of keeping older records across the gap.
+    laps = (later - limit + cap - 1) // cap
+    cutoff = int((later - laps * cap).max())
+    return valid[(valid["seq"] <= limit) & (valid["seq"].astype(np.int64) > cutoff)]
 
 
 def read_ring(path: str | os.PathLike[str], retries: int = 3, retry_sleep: float = 0.002) -> RingSnapshot:
