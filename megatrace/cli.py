@@ -136,6 +136,7 @@ Examples:
   megatrace analyze megatrace-demo-hang/
   megatrace analyze traces/ --tp 8 --pp 4 --json out/findings.json
   megatrace analyze traces/ --fail-on error || echo "job needs attention"
+  megatrace analyze traces/ --quick        # a hung job: who is stuck, in seconds
 
 \b
 Exit status:
@@ -154,13 +155,18 @@ Exit status:
               help="Where to write the findings [default: DIR/findings.json].")
 @click.option("--fail-on", type=click.Choice(["critical", "error", "warning", "info"]), default=None,
               help="Exit with status 3 when a finding of this severity or worse exists.")
+@click.option("--quick", is_flag=True,
+              help="Hang localisation only: read just the newest records of each rank (further back only "
+                   "where needed) and skip the analyses that need whole iterations (critical path, "
+                   "stragglers). Seconds at 16,384 ranks; names the same culprit of a hang.")
 def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
-            json_path: str | None, fail_on: str | None) -> None:
+            json_path: str | None, fail_on: str | None, quick: bool) -> None:
     """Analyze a trace directory: name the rank, group or link that hung or failed the job.
 
     TRACE_DIR holds the ring files (in TRACE_DIR/rings/ or directly), and optionally
     layout.yaml and procs.json. The verdict is printed first; every finding goes to
-    findings.json (schema: docs/findings-schema.md).
+    findings.json (schema: docs/findings-schema.md). With --quick, a slow job is not
+    diagnosed (stragglers and the critical path need whole iterations).
     """
     from megatrace.analyze.engine import LayoutSpec, analyze as run_analysis
     from megatrace.analyze.findings import Severity
@@ -172,9 +178,13 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
         raise click.UsageError("give either --layout or --tp/--pp/--dp, not both")
     layout = layout_file or (LayoutSpec(tp, pp, dp) if (tp or pp or dp) else None)
     try:
-        result = run_analysis(trace_dir, layout=layout)
+        result = run_analysis(trace_dir, layout=layout, mode="hang" if quick else "full")
     except (TraceLoadError, LayoutError) as exc:
         raise MegatraceError(str(exc)) from None
+    if quick:
+        skipped = result.results.get("skipped_stages") or []
+        click.echo(f"quick analysis: hang localisation from the newest {result.trace.tail} records of each rank"
+                   + (f"; not run: {', '.join(skipped)}" if skipped else ""), err=True)
     click.echo(render_summary(result))
     target = json_path or os.path.join(trace_dir, "findings.json")
     try:

@@ -6,6 +6,13 @@ rules engine) plug in as :data:`STAGES`: each is a function of the
 :class:`AnalysisContext` that returns findings and may leave results in
 ``context.results`` for the stages after it (the rules engine runs last and
 sees every finding so far).
+
+Modes: ``mode="full"`` (the default) loads every record and runs every stage.
+``mode="hang"`` (``megatrace analyze --quick``) loads only each rank's newest
+:data:`~megatrace.analyze.load.QUICK_TAIL` records (deeper for the few ranks
+whose tail is too short, see :func:`~megatrace.analyze.load.widen_tails`) and
+runs only the stages named in :data:`HANG_MODE_STAGES`: hang localisation in
+seconds at 16,384 ranks, without the analyzers that need whole iterations.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ from typing import Any
 from megatrace.analyze import explain
 from megatrace.analyze.clock import ClockAlignment, align_clocks
 from megatrace.analyze.findings import Finding, Severity, findings_document, order_findings, write_findings_json
-from megatrace.analyze.hang import HangAnalysis, analyze_hangs
+from megatrace.analyze.hang import TAIL, HangAnalysis, analyze_hangs
 from megatrace.analyze.index import index_records
-from megatrace.analyze.load import fit_layout, load_trace
+from megatrace.analyze.load import QUICK_TAIL, fit_layout, load_trace, widen_tails
 from megatrace.analyze.match import MatchResult, match
 from megatrace.analyze.traceset import LoadProblem, TraceSet
 from megatrace.config import Layout, LayoutError
@@ -100,6 +107,11 @@ STAGES: list[tuple[str, Stage]] = [("hang", _hang_stage), ("mismatch", _mismatch
                                    ("critical_path", _critical_path_stage), ("stragglers", _straggler_stage),
                                    ("rules", _rules_stage)]
 
+MODES = ("full", "hang")
+# The stages that hold on each rank's tail alone (mode "hang"): a stage that needs whole iterations
+# (critical path, stragglers) is left out of that mode by not being named here.
+HANG_MODE_STAGES = frozenset({"hang", "mismatch", "rules"})
+
 
 @dataclass
 class AnalysisResult:
@@ -131,6 +143,11 @@ class AnalysisResult:
     def analysis_summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"clock": self.clock.summary(), "matching": self.match.summary(),
                                "timings_s": {k: round(v, 4) for k, v in self.timings.items()}}
+        if self.results.get("mode", "full") != "full":
+            t = self.trace
+            out["mode"] = {"name": self.results["mode"], "tail_records": t.tail,
+                           "ranks_read_deeper": sum(1 for i in t.rank_info if i.n_records > (t.tail or 0)),
+                           "skipped_stages": list(self.results.get("skipped_stages", ()))}
         if self.hang is not None:
             out["hang"] = self.hang.summary()
         return out
@@ -146,21 +163,26 @@ class AnalysisResult:
 
 
 def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | None = None,
-            stages: list[tuple[str, Stage]] | None = None) -> AnalysisResult:
+            stages: list[tuple[str, Stage]] | None = None, mode: str = "full") -> AnalysisResult:
     """Analyse a trace directory and return ordered findings (the first one is the verdict).
 
     ``layout``: a :class:`Layout`, a :class:`LayoutSpec` (sizes from the command line), a path to a
     layout YAML, or None to use ``layout.yaml`` in the trace directory when present.
+    ``mode``: ``"full"`` (everything) or ``"hang"`` (tails only; of ``stages``, default :data:`STAGES`,
+    only those in :data:`HANG_MODE_STAGES` run; ``results["skipped_stages"]`` names the others).
     Raises :class:`megatrace.analyze.load.TraceLoadError` when the directory is not a trace and
     :class:`megatrace.config.LayoutError` when a given layout file is unreadable.
     """
     from megatrace.config import load_layout
 
+    if mode not in MODES:
+        raise ValueError(f"unknown analysis mode {mode!r} (one of {', '.join(MODES)})")
+    quick = mode == "hang"
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     spec = layout if isinstance(layout, LayoutSpec) else None
     given = load_layout(layout) if isinstance(layout, (str, Path)) else layout if isinstance(layout, Layout) else None
-    trace = load_trace(trace_dir, layout=given)
+    trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None)
     if spec is not None:
         try:
             trace.layout = fit_layout(spec.resolve(trace.world_size), trace.world_size, "--tp/--pp/--dp",
@@ -172,6 +194,10 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     t = time.perf_counter()
     index = index_records(trace)
     timings["index"] = time.perf_counter() - t
+    if quick:
+        t = time.perf_counter()
+        trace, index = widen_tails(trace, index, TAIL)
+        timings["widen"] = time.perf_counter() - t
     t = time.perf_counter()
     clock = align_clocks(trace, index, in_place=True)
     timings["clock"] = time.perf_counter() - t
@@ -179,7 +205,12 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     matched = match(trace, index, clock.t_enqueue, clock.t_complete)
     timings["match"] = time.perf_counter() - t
     ctx = AnalysisContext(trace, clock, matched)
-    for name, stage in stages if stages is not None else STAGES:
+    ctx.results["mode"] = mode
+    run = stages if stages is not None else STAGES
+    if quick:
+        ctx.results["skipped_stages"] = [name for name, _ in run if name not in HANG_MODE_STAGES]
+        run = [(name, stage) for name, stage in run if name in HANG_MODE_STAGES]
+    for name, stage in run:
         t = time.perf_counter()
         ctx.findings.extend(stage(ctx))
         timings[name] = time.perf_counter() - t

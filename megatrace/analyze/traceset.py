@@ -50,6 +50,7 @@ class RankInfo:
     lost: int  # records in the window that could not be read
     anchor_wall_ns: int
     anchor_mono_ns: int
+    unread: int = 0  # older records left in the ring, not loaded (a tail-only load: ``TraceSet.tail``)
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,9 @@ class TraceSet:
     problems: list[LoadProblem]
     missing_ranks: tuple[int, ...]
     time_base: str = "monotonic"  # "aligned" once clock alignment rewrote the time columns in place
+    tail: int | None = None  # None: every record; K: only each rank's newest K records were loaded
+    #                          (more for ranks whose tail had to be extended); see ``RankInfo.unread``
+    meta: dict[int, list[dict]] | None = None  # each loaded rank's meta entries, as read (None: not kept)
 
     def __post_init__(self) -> None:
         self._pos = {int(r): i for i, r in enumerate(self.ranks)}
