@@ -17,9 +17,13 @@ pytest.importorskip("torch")
 
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
 
+# A compute hang in each phase on the first, a middle and the last pipeline stage of TP2 x PP3
+# (order tp-dp-pp: stage 0 holds ranks 0-1, stage 1 ranks 2-3, stage 2 ranks 4-5).
+STAGE_RANK = {"first": 1, "middle": 3, "last": 4}
 CASES = {
     # fault spec, (tp, pp, dp), expected kind
-    "hang-forward-middle-stage": ("hang:rank=3,step=2,phase=forward", (2, 3, 1), Kind.COMPUTE_HANG),
+    **{f"hang-{phase}-{stage}-stage": (f"hang:rank={rank},step=2,phase={phase}", (2, 3, 1), Kind.COMPUTE_HANG)
+       for phase in ("forward", "backward", "optimizer") for stage, rank in STAGE_RANK.items()},
     "commhang": ("commhang:rank=1,step=2", (2, 2, 1), Kind.COMM_HANG),
     "crash": ("crash:rank=2,step=2", (2, 2, 1), Kind.CRASHED_PROCESS),
 }

@@ -65,7 +65,7 @@ def test_a_healthy_run_gives_nothing_above_info_and_its_steps_match_the_markers(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factor", [1.5, 2.0])
+@pytest.mark.parametrize("factor", [1.2, 1.5, 2.0])
 def test_a_slow_rank_is_named_by_the_top_finding(tmp_path: Path, factor: float) -> None:
     out = _demo(tmp_path, f"slow-{factor}", f"slow:rank=1,factor={factor}")
     rank = _truth(out)["rank"]

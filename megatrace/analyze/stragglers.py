@@ -5,7 +5,11 @@ position too when there are enough such ranks) should spend the same compute
 time per step (the time outside communication calls). Each rank's excess over
 the median of its peers is taken per step; the median over the steady steps is
 the effect, its MAD and the share of steps with a positive excess give the
-confidence. Blame is in time: for every collective instance, the arrival lag
+confidence. A finer test catches smaller slowdowns (1.2x): the same calls of
+ranks doing the same work are paired, and every compute interval (the time
+before a call) is compared with the peers' median for that interval; a rank
+slower in most of many intervals by a steady ratio is slow, whatever the
+per-step noise. Blame is in time: for every collective instance, the arrival lag
 (last enqueue − median enqueue, aligned clocks) is charged to the last
 arrival, split into the part its own compute explains (its compute gap before
 the call beyond its peers') and the rest (it came late from an earlier, slow
@@ -29,6 +33,7 @@ from megatrace.analyze.index import RecordIndex
 from megatrace.analyze.iterations import Iterations, compute_gaps, iterations_of, perf_kind
 from megatrace.analyze.links import PairStats, analyze_links, delay_matrix, link_finding, slow_rank_finding
 from megatrace.analyze.match import Collectives
+from megatrace.analyze.segments import MARKER
 from megatrace.analyze.traceset import TraceSet, rank_list
 from megatrace.analyze.words import duration, rank_label, rank_subject
 from megatrace.trace.ring_format import State
@@ -42,6 +47,12 @@ MIN_EXCESS_REL = 0.2  # ... and 20% more: healthy demo ranks on a loaded machine
 MIN_STEP_SHARE = 0.03  # ... and the excess is at least 3% of the step time (else it cannot matter)
 MIN_CONSISTENCY = 0.8  # ... in at least 80% of the steady steps (noise flips sign; a slow GPU does not)
 MIN_STEPS = 3  # steady steps needed for any verdict
+# Paired compute intervals (the finer test). Healthy demo ranks on 2 loaded cores: median ratio 0.96-1.02,
+# slower in 37-58% of intervals; a 1.2x slow rank: ratio 1.22, slower in 74-76% of ~80 intervals.
+MIN_INTERVAL_NS = 1_000_000  # intervals shorter than this on the peers are call overhead, not compute
+MIN_INTERVALS = 30  # intervals needed for the finer test
+MIN_INTERVAL_RATIO = 1.1  # the rank's median interval is at least 10% longer than its peers' ...
+MAX_INTERVAL_P = 1e-3  # ... and it is slower in so many intervals that chance explains it with p < 0.1%
 MAX_LISTED = 8  # ranks or links named one by one in a finding
 
 
@@ -63,6 +74,9 @@ class RankStats:
     collectives: int = 0
     confidence: float = 0.0
     straggler: bool = False
+    intervals: int = 0  # paired compute intervals compared (0: calls not comparable with the peers')
+    intervals_slower: int = 0  # of them, those where this rank took longer than its peers' median
+    interval_ratio: float = 1.0  # median of (own interval / peers' median interval)
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -98,6 +112,8 @@ class StragglerResult:
                 "slow_links": [sorted((p.a, p.b)) for p in self.slow_links],
                 "ranks": {r: {"excess_ns": s.excess_ns, "relative": round(s.relative, 3),
                               "consistency": round(s.consistency, 2), "lag_caused_ns": s.lag_caused_ns,
+                              "interval_ratio": round(s.interval_ratio, 3), "intervals": s.intervals,
+                              "intervals_slower": s.intervals_slower,
                               "confidence": round(s.confidence, 3)} for r, s in sorted(self.ranks.items())},
                 "notes": self.notes}
 
@@ -125,13 +141,19 @@ def peer_groups(trace: TraceSet) -> list[np.ndarray]:
 
 
 def _confidence(s: RankStats, n_peers: int) -> float:
-    """Sign-test certainty that the excess is not noise, scaled by how far the effect clears the thresholds."""
+    """Sign-test certainty that the excess is not noise, scaled by how far the effect clears the thresholds.
+
+    The better of the two tests counts: per step, or per paired compute interval.
+    """
     if not s.steps or s.excess_ns <= 0:
         return 0.0
-    k, n = s.steps_slower, s.steps
-    tail = _sign_tail(k, n)  # P(>= k positive | no effect)
-    certain = 1.0 - tail
+    certain = 1.0 - _sign_tail(s.steps_slower, s.steps)  # P(>= k positive | no effect)
     effect = min(1.0, s.excess_ns / (2 * MIN_EXCESS_NS), s.relative / (2 * MIN_EXCESS_REL))
+    if s.intervals >= MIN_INTERVALS and s.interval_ratio > 1.0:
+        fine = 1.0 - _sign_tail(s.intervals_slower, s.intervals)
+        fine_effect = min(1.0, (s.interval_ratio - 1.0) / (2 * (MIN_INTERVAL_RATIO - 1.0)))
+        if fine * (0.5 + 0.5 * fine_effect) > certain * (0.5 + 0.5 * effect):
+            certain, effect = fine, fine_effect
     peers = 1.0 if n_peers >= 2 else 0.85  # one peer: which of the two is slow rests on the sign alone
     return round(max(0.0, min(0.98, certain * (0.5 + 0.5 * effect) * peers)), 3)
 
@@ -139,6 +161,49 @@ def _confidence(s: RankStats, n_peers: int) -> float:
 @functools.lru_cache(maxsize=1024)
 def _sign_tail(k: int, n: int) -> float:
     return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+
+
+def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: list[int],
+                      stats: dict[int, RankStats]) -> None:
+    """The finer test: pair the compute intervals of ranks doing the same work, call by call.
+
+    Ranks of one peer group run the same program: in every steady step they make the same calls, so the
+    ``k``-th call of a step on one rank matches the ``k``-th on another. Only steps where every member made
+    the same number of calls are paired; only intervals of at least :data:`MIN_INTERVAL_NS` on the peers
+    count. Fills ``intervals``, ``intervals_slower`` and ``interval_ratio`` of ``stats``.
+    """
+    rec_step, steady = it.record_step, np.asarray(steps)
+    calls = it.roles != MARKER
+    ranks = trace.ranks.tolist()
+    for group in peer_groups(trace):
+        members = [ranks[i] for i in group.tolist()]
+        if len(group) < 2 or any(r not in stats for r in members):
+            continue
+        rows = []
+        for i in group.tolist():
+            lo, hi = int(trace.starts[i]), int(trace.starts[i + 1])
+            mine = lo + np.flatnonzero(calls[lo:hi] & np.isin(rec_step[lo:hi], steady))
+            rows.append(mine)
+        counts = np.stack([np.bincount(np.searchsorted(steady, rec_step[r]), minlength=len(steady)) for r in rows])
+        same = (counts == counts[0]).all(axis=0)
+        if not same.any():
+            continue
+        keep = [np.isin(rec_step[r], steady[same]) for r in rows]
+        g = np.stack([gap[r][k].astype(np.float64) for r, k in zip(rows, keep)])  # [members, paired calls]
+        for k, r in enumerate(members):
+            ref = np.median(np.delete(g, k, axis=0), axis=0)
+            long = ref >= MIN_INTERVAL_NS
+            if long.sum() < MIN_INTERVALS:
+                continue
+            ratio = g[k][long] / ref[long]
+            s = stats[r]
+            s.intervals, s.intervals_slower = int(long.sum()), int((ratio > 1.0).sum())
+            s.interval_ratio = float(np.median(ratio))
+
+
+def _slow_by_intervals(s: RankStats) -> bool:
+    return (s.intervals >= MIN_INTERVALS and s.interval_ratio >= MIN_INTERVAL_RATIO
+            and _sign_tail(s.intervals_slower, s.intervals) < MAX_INTERVAL_P)
 
 
 def compare_peers(trace: TraceSet, it: Iterations) -> tuple[dict[int, RankStats], list[int]]:
@@ -210,8 +275,10 @@ def judge(stats: dict[int, RankStats], step_ns: int) -> list[int]:
     flagged = []
     for s in stats.values():
         s.confidence = _confidence(s, len(s.group) - 1)
-        s.straggler = (s.steps >= MIN_STEPS and s.excess_ns >= MIN_EXCESS_NS and s.relative >= MIN_EXCESS_REL
-                       and s.excess_ns >= MIN_STEP_SHARE * step_ns and s.consistency >= MIN_CONSISTENCY)
+        per_step = (s.excess_ns >= MIN_EXCESS_NS and s.relative >= MIN_EXCESS_REL
+                    and s.consistency >= MIN_CONSISTENCY)
+        s.straggler = (s.steps >= MIN_STEPS and s.excess_ns >= MIN_STEP_SHARE * step_ns
+                       and (per_step or _slow_by_intervals(s)))
         if s.straggler:
             flagged.append(s.rank)
     return sorted(flagged, key=lambda r: -stats[r].excess_ns)
@@ -229,6 +296,7 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
     step_cols = np.isin(it.steps, steps)
     step_ns = int(np.median(it.step_ns[step_cols]))
     gap = it.gap if it.gap is not None else compute_gaps(trace, it.roles, te, tc)
+    compare_intervals(trace, it, gap, steps, stats)
     for r, (caused, own, times, entered) in arrival_lags(trace, ix, c, it, te, gap, steps).items():
         if r in stats:
             s = stats[r]
@@ -261,7 +329,8 @@ def _impact(ctx, result: StragglerResult) -> None:
 def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding:
     s = res.ranks[r]
     peers = rank_list(list(s.peers))
-    verdict = (f"{rank_label(trace, r)} computes {s.relative:.0%} slower than the ranks doing the same work "
+    slower = s.interval_ratio - 1.0 if _slow_by_intervals(s) else s.relative  # the finer estimate when it holds
+    verdict = (f"{rank_label(trace, r)} computes {slower:.0%} slower than the ranks doing the same work "
                f"({duration(s.excess_ns)} more per step than {peers})")
     impact = res.impact_ns.get(r)
     if impact:
@@ -271,6 +340,9 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
         f"{peers} {duration(s.peer_compute_ns)} (median over steps {res.steps[0]}–{res.steps[-1]})",
         f"slower than its peers in {s.steps_slower} of {s.steps} steps (spread of the excess: MAD "
         f"{duration(s.mad_ns)})"]
+    if s.intervals:
+        evidence.append(f"call by call: {s.interval_ratio:.2f}x its peers' compute before the same call (median), "
+                        f"slower in {s.intervals_slower} of {s.intervals} paired compute intervals")
     if s.collectives:
         evidence.append(f"arrived last in {s.last_arrivals} of its {s.collectives} collectives, keeping the other "
                         f"members waiting {duration(s.lag_caused_ns)} in total "
@@ -285,6 +357,8 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
         data={"excess_ns": s.excess_ns, "relative": round(s.relative, 3), "compute_ns": s.compute_ns,
               "peer_compute_ns": s.peer_compute_ns, "peers": list(s.peers)[:MAX_LISTED],
               "consistency": round(s.consistency, 2), "lag_caused_ns": s.lag_caused_ns, "lag_own_ns": s.lag_own_ns,
+              "interval_ratio": round(s.interval_ratio, 3), "intervals": s.intervals,
+              "intervals_slower": s.intervals_slower,
               "impact_ns": impact})
 
 
