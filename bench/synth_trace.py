@@ -29,11 +29,12 @@ import numpy as np
 
 from megatrace.config import Layout, save_layout
 from megatrace.trace import ring_format as fmt
-from megatrace.trace.ring_reader import RECORD_DTYPE, head_checks, tail_checks
+from megatrace.simulate.rings import MONO0_NS, RingHead, records
+from megatrace.simulate.rings import write_ring as write_ring_file
 
 MS = 1_000_000
 STEP_NS = 100 * MS
-WALL0, MONO0 = 1_700_000_000 * 10**9, 10**12
+MONO0 = MONO0_NS
 TP_AR, DP_AR, SEND, RECV = int(fmt.Op.ALL_REDUCE), int(fmt.Op.ALL_REDUCE), int(fmt.Op.SEND), int(fmt.Op.RECV)
 
 
@@ -99,42 +100,18 @@ def simulate_last_step(layout: Layout, plans: dict[int, list], hung: int) -> dic
 def write_ring(path: Path, rank: int, world: int, ops: list[tuple[str, int, int]], times: np.ndarray,
                done: np.ndarray) -> None:
     """Write one ring file: header, then records with both checksums, as the writer would."""
-    n = len(ops)
-    cap = 1 << max(4, (n - 1).bit_length())
-    rec = np.zeros(n, RECORD_DTYPE)
-    rec["seq"] = np.arange(1, n + 1)
     kinds = [o[0] for o in ops]
-    rec["op"] = [SEND if k == "send" else RECV if k == "recv" else TP_AR for k in kinds]
-    rec["group_id"] = [o[1] for o in ops]
-    rec["peer"] = [o[2] for o in ops]
+    op = np.array([SEND if k == "send" else RECV if k == "recv" else TP_AR for k in kinds], np.int64)
     seqs, counters = [], {}
-    for k, gid, peer in ops:
-        key = (k, gid, peer)
+    for key in ops:
         counters[key] = counters.get(key, 0) + 1
         seqs.append(counters[key])
-    rec["group_seq"] = seqs
-    rec["nbytes"] = np.where(rec["op"] == TP_AR, 1 << 20, 1 << 18)
-    rec["dtype"] = int(fmt.Dtype.BFLOAT16)
-    rec["t_enqueue"] = MONO0 + times
-    rec["t_complete"] = np.where(done, MONO0 + times + MS // 2, 0)
-    rec["state"] = np.where(done, int(fmt.State.COMPLETED), int(fmt.State.ENQUEUED))
-    raw = rec.view(np.uint8).reshape(n, fmt.RECORD_SIZE)
-    rec["head_check"] = head_checks(raw)
-    rec["tail_check"] = tail_checks(raw.view("<u4"))
-    body = np.zeros(cap, RECORD_DTYPE)
-    body[:n] = rec
-    static = fmt.HEADER_STATIC.pack(fmt.MAGIC, fmt.VERSION, fmt.HEADER_SIZE, fmt.RECORD_SIZE, cap, rank, rank % 8,
-                                    world, 100000 + rank, WALL0, MONO0, 0, b"synthetic".ljust(64, b"\0"),
-                                    b"0".ljust(32, b"\0"), f"node{rank // 8:05d}".encode().ljust(64, b"\0"),
-                                    b"\0" * 28)
-    header = bytearray(fmt.HEADER_SIZE)
-    header[:len(static)] = static
-    fmt.HEADER_CHECK.pack_into(header, fmt.HEADER_CHECK_OFFSET, fmt.header_check(static))
-    fmt.WRITE_COUNTER.pack_into(header, fmt.WRITE_COUNTER_OFFSET, n)
-    fmt.WRITER_STATE.pack_into(header, fmt.WRITER_STATE_OFFSET, int(fmt.WriterState.OPEN))
-    with open(path, "wb") as fh:
-        fh.write(header)
-        fh.write(body.tobytes())
+    recs = records(1, op, np.array([o[1] for o in ops], np.int64), np.array(seqs, np.int64),
+                   np.where(op == TP_AR, 1 << 20, 1 << 18), np.array([o[2] for o in ops], np.int64),
+                   MONO0 + times, np.where(done, MONO0 + times + MS // 2, 0),
+                   np.where(done, int(fmt.State.COMPLETED), int(fmt.State.ENQUEUED)))
+    head = RingHead(rank, world, rank % 8, f"node{rank // 8:05d}", 100000 + rank, job_id="synthetic")
+    write_ring_file(path, head, recs)
 
 
 def generate(out: Path, ranks: int, tp: int, pp: int, records: int, microbatches: int, hung: int | None) -> Layout:

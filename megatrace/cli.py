@@ -195,6 +195,11 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
         sys.exit(3)
 
 
+from megatrace.simulate.command import simulate as _simulate  # noqa: E402  (imports only click at load time)
+
+main.add_command(_simulate)
+
+
 @click.command("megatrace-check", context_settings=CONTEXT_SETTINGS)
 @click.version_option(__version__, prog_name="megatrace-check")
 def check_main() -> None:

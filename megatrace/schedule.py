@@ -10,6 +10,9 @@ from megatrace.config import Layout, LayoutError
 
 Action = tuple[str, int]  # ("F" | "B", microbatch)
 DP_MODES = ("allreduce", "reduce-scatter")
+# The pipeline point-to-point roles of an exchange block (numbered as the analyzer's record roles,
+# megatrace.analyze.segments): activations in/out, gradients in/out.
+ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT = 4, 5, 6, 7
 
 
 def _check(stage: int, num_stages: int, microbatches: int) -> None:
@@ -41,6 +44,27 @@ def gpipe(stage: int, num_stages: int, microbatches: int) -> list[Action]:
 
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+
+
+def exchange_blocks(actions: list[Action], stage: int, num_stages: int) -> list[list[tuple[int, int]]]:
+    """For a stage's per-step action list, the p2p ops expected before each action and after the last.
+
+    Block ``j`` (``0 <= j <= len(actions)``) holds (role, microbatch) pairs: the receives action ``j`` needs
+    and the sends of what action ``j - 1`` produced.
+    """
+    blocks: list[list[tuple[int, int]]] = [[] for _ in range(len(actions) + 1)]
+    for j, (kind, mb) in enumerate(actions):
+        if kind == "F":
+            if stage > 0:
+                blocks[j].append((ACT_IN, mb))
+            if stage < num_stages - 1:
+                blocks[j + 1].append((ACT_OUT, mb))
+        else:
+            if stage < num_stages - 1:
+                blocks[j].append((GRAD_IN, mb))
+            if stage > 0:
+                blocks[j + 1].append((GRAD_OUT, mb))
+    return blocks
 
 
 def schedule_for(layout: Layout, stage: int) -> list[Action]:

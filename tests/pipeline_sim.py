@@ -22,9 +22,8 @@ from pathlib import Path
 
 from analysis_factory import Rec, TraceBuilder
 
-from megatrace.analyze.segments import exchange_blocks
 from megatrace.config import Layout
-from megatrace.schedule import one_f_one_b
+from megatrace.schedule import exchange_blocks, one_f_one_b
 from megatrace.trace import ring_format as fmt
 
 AR, SEND, RECV = int(fmt.Op.ALL_REDUCE), int(fmt.Op.SEND), int(fmt.Op.RECV)

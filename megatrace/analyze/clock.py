@@ -7,10 +7,12 @@ ranks' (absorbing the jitter of reading two clocks).
 
 Step 2, refinement from collectives: a collective completes at nearly the same
 moment on all members. For every instance that spans two or more hosts, each
-member's deviation from the instance's median completion time is an
-observation of its host's clock error; the host's correction is the median of
-its deviations (robust to stragglers and outliers), iterated a few times so a
-skewed majority cannot drag the reference. Corrections are pinned so the host
+member's deviation from the instance's mean completion time is an
+observation of its host's clock error. First the host's correction is the mean
+of its deviations, iterated until it settles: that spreads the information
+along chains of hosts linked by small groups (pairs, whose median would be one
+member and would never move). Then a few passes take the median instead, so
+stragglers and outliers cannot drag a host. Corrections are pinned so the host
 of the lowest rank keeps its anchor clock.
 """
 
@@ -25,7 +27,9 @@ from megatrace.analyze.traceset import TraceSet
 from megatrace.trace.ring_format import Flag, State
 
 MAX_SAMPLES = 400_000  # completion records used for refinement; instances are sampled whole beyond this
-ITERATIONS = 4  # refinement passes (each re-centres instance medians on the corrected clocks)
+MEAN_ITERATIONS = 200  # at most this many mean passes (each re-centres the instances on the corrected clocks) ...
+SETTLED_NS = 1_000  # ... stopping once no host moves more than this
+MEDIAN_ITERATIONS = 3  # then robust passes
 MIN_OBSERVATIONS = 3  # a host needs this many cross-host observations to get a correction
 SAMPLE_HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads instance ids uniformly
 
@@ -115,21 +119,26 @@ def align_clocks(trace: TraceSet, ix: RecordIndex, refine: bool = True, in_place
             local, rec_host, t = local[order], rec_host[order], t[order]
             starts = np.flatnonzero(np.r_[True, np.diff(local) != 0])
             sizes = np.diff(np.r_[starts, len(local)])
-            for _ in range(ITERATIONS):
-                tc = t + correction[rec_host]
-                # Per-instance median of corrected times (lower median; instances are small).
-                order = np.lexsort((tc, local))
-                med = tc[order][starts + (sizes - 1) // 2]
-                dev = tc - np.repeat(med, sizes)
-                step, seen = _group_median(dev, rec_host, len(hosts))
-                correction -= np.where(seen >= MIN_OBSERVATIONS, step, 0)
-                ref = rank_host[0]
+            seen = np.bincount(rec_host, minlength=len(hosts))
+            ref = rank_host[0]
+            base = t - np.repeat(t[starts], sizes)  # relative to the instance's first member: small numbers
+
+            def deviations() -> np.ndarray:
+                tc = base + correction[rec_host]
+                return tc - np.repeat(np.add.reduceat(tc, starts) / sizes, sizes)
+
+            for _ in range(MEAN_ITERATIONS):
+                step = np.bincount(rec_host, weights=deviations(), minlength=len(hosts)) / np.maximum(seen, 1)
+                step = np.where(seen >= MIN_OBSERVATIONS, np.rint(step), 0).astype(np.int64)
+                correction -= step
+                correction -= correction[ref]
+                if np.abs(step).max() < SETTLED_NS:
+                    break
+            for _ in range(MEDIAN_ITERATIONS):
+                correction -= np.where(seen >= MIN_OBSERVATIONS, _group_median(deviations(), rec_host, len(hosts))[0], 0)
                 correction -= correction[ref]
             observations = len(local)
-            tc = t + correction[rec_host]
-            order = np.lexsort((tc, local))
-            med = tc[order][starts + (sizes - 1) // 2]
-            residual = int(np.median(np.abs(tc - np.repeat(med, sizes))))
+            residual = int(np.median(np.abs(deviations())))
             method = "anchors+collectives"
             seen = np.bincount(rec_host, minlength=len(hosts))
             few = [hosts[k] for k in np.flatnonzero(seen < MIN_OBSERVATIONS)]

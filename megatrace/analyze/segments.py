@@ -29,11 +29,11 @@ import numpy as np
 
 from megatrace.analyze.traceset import TraceSet
 from megatrace.config import Layout
-from megatrace.schedule import SCHEDULES, Action
+from megatrace.schedule import ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT, SCHEDULES, Action, exchange_blocks
 from megatrace.trace.ring_format import Op
 
 # Per-record roles (see megatrace.analyze.iterations.record_roles).
-OTHER, MARKER, TP, DP, ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT, PP_OTHER = range(9)
+OTHER, MARKER, TP, DP, PP_OTHER = 0, 1, 2, 3, 8  # and the p2p roles ACT_IN..GRAD_OUT (4-7) of megatrace.schedule
 P2P_ROLES = (ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT)
 ROLE_NAMES = ("other", "marker", "tp", "dp", "act-in", "act-out", "grad-in", "grad-out", "pp-other")
 P2P = np.isin(np.arange(len(ROLE_NAMES)), P2P_ROLES)  # role -> is a pipeline p2p anchor
@@ -58,27 +58,6 @@ def done_local(te: np.ndarray, tc: np.ndarray, rows: np.ndarray) -> Local:
 
 class SegmentError(ValueError):
     """The records do not follow the expected schedule; the message says where."""
-
-
-def exchange_blocks(actions: list[Action], stage: int, num_stages: int) -> list[list[tuple[int, int]]]:
-    """For a stage's per-step action list, the p2p ops expected before each action and after the last.
-
-    Block ``j`` (``0 <= j <= len(actions)``) holds (role, microbatch) pairs: the receives action ``j`` needs
-    and the sends of what action ``j - 1`` produced.
-    """
-    blocks: list[list[tuple[int, int]]] = [[] for _ in range(len(actions) + 1)]
-    for j, (kind, mb) in enumerate(actions):
-        if kind == "F":
-            if stage > 0:
-                blocks[j].append((ACT_IN, mb))
-            if stage < num_stages - 1:
-                blocks[j + 1].append((ACT_OUT, mb))
-        else:
-            if stage < num_stages - 1:
-                blocks[j].append((GRAD_IN, mb))
-            if stage > 0:
-                blocks[j + 1].append((GRAD_OUT, mb))
-    return blocks
 
 
 @dataclass

@@ -190,8 +190,9 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
             continue
         keep = [np.isin(rec_step[r], steady[same]) for r in rows]
         g = np.stack([gap[r][k].astype(np.float64) for r, k in zip(rows, keep)])  # [members, paired calls]
+        whole = np.median(g, axis=0) if len(members) > SMALL_GROUP else None  # one rank barely moves it
         for k, r in enumerate(members):
-            ref = np.median(np.delete(g, k, axis=0), axis=0)
+            ref = whole if whole is not None else np.median(np.delete(g, k, axis=0), axis=0)
             long = ref >= MIN_INTERVAL_NS
             if long.sum() < MIN_INTERVALS:
                 continue
