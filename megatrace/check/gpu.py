@@ -1,0 +1,248 @@
+"""GPU preflight through NVML (pynvml): read the facts in a child process, then judge them.
+
+Reading and judging are apart. :func:`read_gpus` asks NVML for every fact a
+check needs and returns plain data (an error string where a call failed); it
+runs in a child process (``python -m megatrace.check.gpu``) under a hard
+timeout, because a wedged driver can block an NVML call forever and a prolog
+must never hang. :func:`judge_gpus` turns the facts into results against
+:class:`GpuThresholds`; it is pure, so every rule is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from megatrace.check.results import ProbeResult, Status, Subject
+
+# nvmlClocksEventReason bits (nvml.h): the ones that mean a GPU runs below its clocks for a hardware or
+# thermal reason. At idle (a prolog) none of them should be set; a GPU stuck in one is a silent straggler.
+CLOCK_EVENTS_FAIL = {0x8: "HW slowdown", 0x40: "HW thermal slowdown", 0x80: "HW power brake"}
+CLOCK_EVENTS_WARN = {0x20: "SW thermal slowdown", 0x4: "SW power cap"}
+NVML_LIBRARY_NOT_FOUND = "NVML Shared Library Not Found"
+
+
+@dataclass(frozen=True)
+class GpuThresholds:
+    """Limits a GPU is held against (the site's ``configs/thresholds.yaml`` may override them)."""
+
+    temp_margin_c: int = 5  # warn this close to the slowdown temperature, fail at it
+    ecc_sbe_warn: int = 100  # volatile single-bit (corrected) errors since boot
+    ecc_dbe_fail: int = 1  # volatile double-bit (uncorrected) errors since boot
+    stray_memory_mib: int = 1024  # memory held by processes at job start
+
+
+def read_gpus() -> dict[str, Any]:
+    """Every NVML fact the checks need, as plain data; errors become strings, never exceptions."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"error": "pynvml is not installed (pip install nvidia-ml-py)"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"error": str(exc)}
+    try:
+        out: dict[str, Any] = {"driver": _call(pynvml.nvmlSystemGetDriverVersion),
+                               "cuda": _call(pynvml.nvmlSystemGetCudaDriverVersion), "gpus": []}
+        count = _call(pynvml.nvmlDeviceGetCount)
+        if isinstance(count, dict):
+            out["error"] = count["error"]
+            return out
+        for i in range(count):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pci = _call(pynvml.nvmlDeviceGetPciInfo_v3, h)
+            out["gpus"].append({
+                "index": i, "name": _call(pynvml.nvmlDeviceGetName, h), "uuid": _call(pynvml.nvmlDeviceGetUUID, h),
+                "pci_bus": pci if isinstance(pci, dict) else _text(pci.busId),
+                "temp": _call(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU),
+                "slowdown_temp": _call(pynvml.nvmlDeviceGetTemperatureThreshold, h,
+                                       pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+                "clock_events": _call(pynvml.nvmlDeviceGetCurrentClocksEventReasons, h),
+                "ecc_sbe": _call(pynvml.nvmlDeviceGetTotalEccErrors, h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                                 pynvml.NVML_VOLATILE_ECC),
+                "ecc_dbe": _call(pynvml.nvmlDeviceGetTotalEccErrors, h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                 pynvml.NVML_VOLATILE_ECC),
+                "remapped_rows": _call(pynvml.nvmlDeviceGetRemappedRows, h),
+                "power_limit": _call(pynvml.nvmlDeviceGetPowerManagementLimit, h),
+                "power_default": _call(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, h),
+                "pcie_width": _call(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
+                "pcie_width_max": _call(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
+                "persistence": _call(pynvml.nvmlDeviceGetPersistenceMode, h),
+                "mig": _call(pynvml.nvmlDeviceGetMigMode, h),
+                "procs": _call(lambda d: [{"pid": p.pid, "bytes": p.usedGpuMemory}
+                                          for p in pynvml.nvmlDeviceGetComputeRunningProcesses(d)], h),
+            })
+        return out
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    from pynvml import NVMLError
+
+    try:
+        value = fn(*args)
+    except NVMLError as exc:
+        return {"error": str(exc)}
+    return _text(value) if isinstance(value, bytes) else list(value) if isinstance(value, tuple) else value
+
+
+def _text(value: Any) -> Any:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def probe_gpus(node: str, expected: int | None, timeout_s: float = 20.0,
+               thresholds: GpuThresholds = GpuThresholds()) -> list[ProbeResult]:
+    """Read the facts in a child process (killed after ``timeout_s``) and judge them."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "megatrace.check.gpu"], capture_output=True, text=True,
+                              timeout=timeout_s, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return [ProbeResult("gpu.nvml", Status.FAIL, Subject(node),
+                            f"NVML did not answer within {timeout_s:g} s (driver wedged?)", value=None,
+                            threshold=timeout_s, remediation="Check `nvidia-smi` and the kernel log (XID); "
+                                                             "reset the GPU or reboot the node.")]
+    try:
+        facts = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        facts = {"error": f"the NVML reader failed (exit {done.returncode}): {tail}"}
+    return judge_gpus(facts, node, expected, thresholds)
+
+
+def judge_gpus(facts: dict[str, Any], node: str, expected: int | None,
+               thresholds: GpuThresholds = GpuThresholds()) -> list[ProbeResult]:
+    """Results for the node (NVML, count, versions) and for each GPU; see the module docstring."""
+    here = Subject(node)
+    if "error" in facts and not facts.get("gpus"):
+        missing_lib = NVML_LIBRARY_NOT_FOUND in facts["error"] or "pynvml is not installed" in facts["error"]
+        if missing_lib and not expected:
+            return [ProbeResult("gpu.nvml", Status.SKIP, here, f"no GPU expected and no NVML: {facts['error']}")]
+        return [ProbeResult("gpu.nvml", Status.FAIL, here, f"NVML unusable: {facts['error']}",
+                            threshold=expected, remediation="Check the NVIDIA driver (nvidia-smi, dmesg); "
+                                                            "drain the node until it is fixed.")]
+    gpus = facts.get("gpus", [])
+    out = [ProbeResult("gpu.driver", Status.OK, here, f"driver {facts.get('driver')}, CUDA {_cuda(facts.get('cuda'))}",
+                       value={"driver": facts.get("driver"), "cuda": facts.get("cuda")})]
+    if expected is not None and len(gpus) != expected:
+        out.append(ProbeResult("gpu.count", Status.FAIL, here, f"{len(gpus)} GPUs visible, {expected} allocated",
+                               value=len(gpus), threshold=expected,
+                               remediation="A GPU fell off the bus or is hidden: check `nvidia-smi -L` and "
+                                           "the kernel log for XID 79; drain the node."))
+    else:
+        out.append(ProbeResult("gpu.count", Status.OK, here, f"{len(gpus)} GPUs", value=len(gpus), threshold=expected))
+    for g in gpus:
+        out += _judge_one(node, g, thresholds)
+    return out
+
+
+def _cuda(v: Any) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}" if isinstance(v, int) else str(v)
+
+
+def _judge_one(node: str, g: dict[str, Any], t: GpuThresholds) -> list[ProbeResult]:
+    subj = Subject(node, g["index"], g.get("uuid") if isinstance(g.get("uuid"), str) else None,
+                   g.get("pci_bus") if isinstance(g.get("pci_bus"), str) else None)
+    res: list[ProbeResult] = []
+
+    def add(probe: str, status: Status, message: str, value: Any = None, threshold: Any = None,
+            remediation: str = "") -> None:
+        res.append(ProbeResult(f"gpu.{probe}", status, subj, message, value, threshold, remediation))
+
+    def unsupported(probe: str, value: Any) -> bool:
+        if isinstance(value, dict):
+            add(probe, Status.SKIP, f"{probe}: {value['error']}")
+            return True
+        return False
+
+    temp, slow = g.get("temp"), g.get("slowdown_temp")
+    if not unsupported("temperature", temp):
+        limit = slow if isinstance(slow, int) else None
+        if limit is not None and temp >= limit:
+            add("temperature", Status.FAIL, f"{temp} °C at its slowdown temperature {limit} °C", temp, limit,
+                "Check the node's cooling and airflow; drain it.")
+        elif limit is not None and temp >= limit - t.temp_margin_c:
+            add("temperature", Status.WARN, f"{temp} °C, within {t.temp_margin_c} °C of slowdown at {limit} °C",
+                temp, limit, "Check the node's cooling.")
+        else:
+            add("temperature", Status.OK, f"{temp} °C", temp, limit)
+    events = g.get("clock_events")
+    if not unsupported("clocks", events):
+        bad = [name for bit, name in CLOCK_EVENTS_FAIL.items() if events & bit]
+        soft = [name for bit, name in CLOCK_EVENTS_WARN.items() if events & bit]
+        if bad:
+            add("clocks", Status.FAIL, f"clocks held down: {', '.join(bad)}", hex(events), None,
+                "A GPU in hardware slowdown runs the whole job at its speed: check power and cooling "
+                "(nvidia-smi -q -d PERFORMANCE); drain the node.")
+        elif soft:
+            add("clocks", Status.WARN, f"clocks held down: {', '.join(soft)}", hex(events))
+        else:
+            add("clocks", Status.OK, "no slowdown reason", hex(events))
+    dbe, sbe = g.get("ecc_dbe"), g.get("ecc_sbe")
+    if not unsupported("ecc", dbe):
+        if dbe >= t.ecc_dbe_fail:
+            add("ecc", Status.FAIL, f"{dbe} uncorrected ECC errors since boot", dbe, t.ecc_dbe_fail,
+                "Uncorrectable memory errors corrupt or kill jobs: drain the node and reset the GPU.")
+        elif isinstance(sbe, int) and sbe >= t.ecc_sbe_warn:
+            add("ecc", Status.WARN, f"{sbe} corrected ECC errors since boot", sbe, t.ecc_sbe_warn)
+        else:
+            add("ecc", Status.OK, "no uncorrected ECC errors", dbe, t.ecc_dbe_fail)
+    rows = g.get("remapped_rows")
+    if not unsupported("remap", rows):
+        _corr, _unc, pending, failure = rows
+        if failure:
+            add("remap", Status.FAIL, "row remapping failed", rows, None,
+                "The GPU ran out of spare rows: replace it.")
+        elif pending:
+            add("remap", Status.WARN, "a row remap is pending a GPU reset", rows, None,
+                "Reset the GPU (nvidia-smi -r) when the node is idle.")
+        else:
+            add("remap", Status.OK, "no pending or failed row remap", rows)
+    limit, default = g.get("power_limit"), g.get("power_default")
+    if not unsupported("power", limit) and isinstance(default, int):
+        if limit < default:
+            add("power", Status.WARN, f"power limit {limit // 1000} W below its default {default // 1000} W", limit,
+                default, "Someone capped this GPU (nvidia-smi -pl): restore the default.")
+        else:
+            add("power", Status.OK, f"power limit {limit // 1000} W", limit, default)
+    width, width_max = g.get("pcie_width"), g.get("pcie_width_max")
+    if not unsupported("pcie", width) and isinstance(width_max, int):
+        if width < width_max:
+            add("pcie", Status.WARN, f"PCIe link x{width} of x{width_max}", width, width_max,
+                "A degraded PCIe link slows every host-device copy: reseat the GPU or check the riser.")
+        else:
+            add("pcie", Status.OK, f"PCIe link x{width}", width, width_max)
+    procs = g.get("procs")
+    if not unsupported("memory", procs):
+        held = sum(p["bytes"] for p in procs) >> 20
+        if held >= t.stray_memory_mib:
+            pids = ", ".join(str(p["pid"]) for p in procs)
+            add("memory", Status.FAIL, f"{held} MiB held by processes {pids} before the job starts", held,
+                t.stray_memory_mib, "A previous job left processes on the GPU: kill them or drain the node.")
+        else:
+            add("memory", Status.OK, f"{held} MiB held by other processes", held, t.stray_memory_mib)
+    mig = g.get("mig")
+    if isinstance(mig, list) and mig[0]:
+        add("mig", Status.WARN, "MIG mode is on", mig)
+    if g.get("persistence") == 0:
+        add("persistence", Status.WARN, "persistence mode is off (slow first CUDA call, flaky clocks)", 0, 1,
+            "nvidia-smi -pm 1, or run nvidia-persistenced.")
+    return res
+
+
+def main() -> int:
+    """Child entry: print the facts as one JSON line."""
+    print(json.dumps(read_gpus()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

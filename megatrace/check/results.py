@@ -1,0 +1,58 @@
+"""What a preflight probe reports: one result per check and subject (node, GPU, link)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    """Ordered from good to bad; ``worst()`` of a list decides the exit status."""
+
+    OK = "ok"
+    SKIP = "skip"  # nothing to check here (no GPU expected, a counter the device does not support)
+    WARN = "warn"
+    FAIL = "fail"
+
+    @property
+    def rank(self) -> int:
+        return list(Status).index(self)
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What a result is about: a node, or one GPU of it (index, UUID, PCI bus id)."""
+
+    node: str
+    gpu: int | None = None
+    uuid: str | None = None
+    pci_bus: str | None = None
+
+    def label(self) -> str:
+        return self.node if self.gpu is None else f"{self.node} GPU{self.gpu}"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    probe: str  # e.g. "gpu.temperature"
+    status: Status
+    subject: Subject
+    message: str
+    value: Any = None  # what was measured
+    threshold: Any = None  # what it was held against
+    remediation: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["status"] = self.status.value
+        return out
+
+    def drain_reason(self) -> str:
+        """A short reason for ``scontrol update state=drain reason=...`` (``sinfo -R`` shows it)."""
+        where = f"GPU{self.subject.gpu} " if self.subject.gpu is not None else ""
+        return f"megatrace: {where}{self.message}"[:120]
+
+
+def worst(results: list[ProbeResult]) -> Status:
+    return max((r.status for r in results), key=lambda s: s.rank, default=Status.OK)

@@ -1,0 +1,304 @@
+/*
+ * A test double of libnvidia-ml.so.1 for machines without a GPU: the real pynvml loads it
+ * and calls it through ctypes exactly as it would call NVIDIA's library.
+ *
+ * The GPUs it reports come from a key=value file named by FAKE_NVML_CONFIG, read at
+ * nvmlInitWithFlags:
+ *
+ *   gpus=2                     driver=550.54.15          cuda=12040
+ *   init_error=9               (nvmlInit fails with this NVML error code)
+ *   gpu0.name=NVIDIA H100 80GB HBM3   gpu0.uuid=GPU-...   gpu0.bus=00000000:18:00.0
+ *   gpu0.temp=45  gpu0.slowdown_temp=87  gpu0.shutdown_temp=92
+ *   gpu0.clock_events=0x8      (nvmlClocksEventReason bits)
+ *   gpu0.ecc_sbe=0  gpu0.ecc_dbe=0  gpu0.remap_corr=0  gpu0.remap_unc=0  gpu0.remap_pending=0  gpu0.remap_failure=0
+ *   gpu0.power_limit=700000    gpu0.power_default=700000   (milliwatts)
+ *   gpu0.pcie_gen=5  gpu0.pcie_gen_max=5  gpu0.pcie_width=16  gpu0.pcie_width_max=16
+ *   gpu0.persistence=1  gpu0.mig=0
+ *   gpu0.procs=1234:1073741824,5678:2048   (pid:used bytes)
+ *   gpu0.hang_ms=5000          (every call about this GPU sleeps that long: a wedged driver)
+ *   gpu0.error.<function>=3    (that function fails with this NVML error code)
+ *
+ * Only the entry points MegaTrace's probes use are implemented; the rest of the API is absent.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int nvmlReturn_t;
+typedef struct fake_device *nvmlDevice_t;
+
+enum { OK = 0, ERR_UNINIT = 1, ERR_INVALID = 2, ERR_NOT_SUPPORTED = 3, ERR_INSUFFICIENT = 7, ERR_UNKNOWN = 999 };
+enum { MAX_GPUS = 16, MAX_KEYS = 512 };
+
+struct fake_device { int index; };
+
+static char keys[MAX_KEYS][96];
+static char values[MAX_KEYS][256];
+static int n_keys;
+static int initialized;
+static struct fake_device devices[MAX_GPUS];
+
+static const char *get(const char *key) {
+    for (int i = 0; i < n_keys; i++)
+        if (strcmp(keys[i], key) == 0) return values[i];
+    return NULL;
+}
+
+static const char *gpu_get(int gpu, const char *field) {
+    char key[96];
+    snprintf(key, sizeof key, "gpu%d.%s", gpu, field);
+    return get(key);
+}
+
+static unsigned long long gpu_num(int gpu, const char *field, unsigned long long dflt) {
+    const char *v = gpu_get(gpu, field);
+    return v ? strtoull(v, NULL, 0) : dflt;
+}
+
+static int n_gpus(void) {
+    const char *v = get("gpus");
+    int n = v ? atoi(v) : 0;
+    return n < 0 ? 0 : n > MAX_GPUS ? MAX_GPUS : n;
+}
+
+/* Common entry checks for a device call: initialised, a valid handle, the wedge and the injected error. */
+static nvmlReturn_t enter(nvmlDevice_t dev, const char *function) {
+    if (!initialized) return ERR_UNINIT;
+    if (!dev || dev < devices || dev >= devices + n_gpus()) return ERR_INVALID;
+    unsigned long long hang = gpu_num(dev->index, "hang_ms", 0);
+    if (hang) {
+        struct timespec ts = {(time_t)(hang / 1000), (long)(hang % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    char field[128];
+    snprintf(field, sizeof field, "error.%s", function);
+    return (nvmlReturn_t)gpu_num(dev->index, field, OK);
+}
+
+static void load_config(void) {
+    n_keys = 0;
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    FILE *f = path ? fopen(path, "r") : NULL;
+    if (!f) return;
+    char line[400];
+    while (n_keys < MAX_KEYS && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\r\n")] = 0;
+        char *eq = strchr(line, '=');
+        if (!eq || line[0] == '#') continue;
+        *eq = 0;
+        snprintf(keys[n_keys], sizeof keys[0], "%.95s", line);
+        snprintf(values[n_keys], sizeof values[0], "%.255s", eq + 1);
+        n_keys++;
+    }
+    fclose(f);
+}
+
+static nvmlReturn_t copy_string(const char *src, char *dst, unsigned int size) {
+    if (!dst) return ERR_INVALID;
+    if (strlen(src) + 1 > size) return ERR_INSUFFICIENT;
+    memcpy(dst, src, strlen(src) + 1);
+    return OK;
+}
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    load_config();
+    const char *err = get("init_error");
+    if (err && atoi(err)) return atoi(err);
+    for (int i = 0; i < MAX_GPUS; i++) devices[i].index = i;
+    initialized = 1;
+    return OK;
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+
+nvmlReturn_t nvmlShutdown(void) {
+    if (!initialized) return ERR_UNINIT;
+    initialized = 0;
+    return OK;
+}
+
+const char *nvmlErrorString(nvmlReturn_t result) {
+    switch (result) {
+    case OK: return "Success";
+    case ERR_UNINIT: return "Uninitialized";
+    case ERR_INVALID: return "Invalid Argument";
+    case ERR_NOT_SUPPORTED: return "Not Supported";
+    case ERR_INSUFFICIENT: return "Insufficient Size";
+    case 9: return "Driver Not Loaded";
+    case 10: return "Timeout";
+    case 15: return "GPU is lost";
+    default: return "Unknown Error";
+    }
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    if (!initialized) return ERR_UNINIT;
+    const char *v = get("driver");
+    return copy_string(v ? v : "550.54.15", version, length);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version) {
+    if (!initialized) return ERR_UNINIT;
+    const char *v = get("cuda");
+    *version = v ? atoi(v) : 12040;
+    return OK;
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version) { return nvmlSystemGetCudaDriverVersion(version); }
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    if (!initialized) return ERR_UNINIT;
+    *count = (unsigned int)n_gpus();
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    if (!initialized) return ERR_UNINIT;
+    if ((int)index >= n_gpus()) return ERR_INVALID;
+    *device = &devices[index];
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t dev, char *name, unsigned int length) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetName");
+    if (r) return r;
+    const char *v = gpu_get(dev->index, "name");
+    return copy_string(v ? v : "NVIDIA H100 80GB HBM3", name, length);
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t dev, char *uuid, unsigned int length) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetUUID");
+    if (r) return r;
+    const char *v = gpu_get(dev->index, "uuid");
+    char dflt[64];
+    snprintf(dflt, sizeof dflt, "GPU-00000000-0000-0000-0000-%012d", dev->index);
+    return copy_string(v ? v : dflt, uuid, length);
+}
+
+/* nvmlPciInfo_t as pynvml declares it: busIdLegacy[16], domain, bus, device, pciDeviceId, pciSubSystemId, busId[32]. */
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, nvmlPciInfo_t *pci) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetPciInfo_v3");
+    if (r) return r;
+    memset(pci, 0, sizeof *pci);
+    const char *v = gpu_get(dev->index, "bus");
+    char dflt[32];
+    snprintf(dflt, sizeof dflt, "00000000:%02X:00.0", 0x18 + dev->index);
+    snprintf(pci->busId, sizeof pci->busId, "%s", v ? v : dflt);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%.15s", v ? v : dflt);
+    pci->bus = (unsigned int)(0x18 + dev->index);
+    pci->pciDeviceId = 0x233010DE;
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t dev, int sensor, unsigned int *temp) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetTemperature");
+    if (r) return r;
+    if (sensor != 0) return ERR_NOT_SUPPORTED;
+    *temp = (unsigned int)gpu_num(dev->index, "temp", 40);
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t dev, int threshold, unsigned int *temp) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetTemperatureThreshold");
+    if (r) return r;
+    if (threshold == 0) *temp = (unsigned int)gpu_num(dev->index, "shutdown_temp", 92);
+    else if (threshold == 1) *temp = (unsigned int)gpu_num(dev->index, "slowdown_temp", 87);
+    else return ERR_NOT_SUPPORTED;
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t dev, unsigned long long *reasons) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetCurrentClocksEventReasons");
+    if (r) return r;
+    *reasons = gpu_num(dev->index, "clock_events", 0);
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t dev, unsigned long long *reasons) {
+    return nvmlDeviceGetCurrentClocksEventReasons(dev, reasons);
+}
+
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t dev, int error_type, int counter_type,
+                                         unsigned long long *count) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetTotalEccErrors");
+    if (r) return r;
+    (void)counter_type;
+    *count = gpu_num(dev->index, error_type == 1 ? "ecc_dbe" : "ecc_sbe", 0);
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t dev, unsigned int *corr, unsigned int *unc,
+                                       unsigned int *pending, unsigned int *failure) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetRemappedRows");
+    if (r) return r;
+    *corr = (unsigned int)gpu_num(dev->index, "remap_corr", 0);
+    *unc = (unsigned int)gpu_num(dev->index, "remap_unc", 0);
+    *pending = (unsigned int)gpu_num(dev->index, "remap_pending", 0);
+    *failure = (unsigned int)gpu_num(dev->index, "remap_failure", 0);
+    return OK;
+}
+
+#define UINT_GETTER(fn, field, dflt)                           \
+    nvmlReturn_t fn(nvmlDevice_t dev, unsigned int *out) {     \
+        nvmlReturn_t r = enter(dev, #fn);                      \
+        if (r) return r;                                       \
+        *out = (unsigned int)gpu_num(dev->index, field, dflt); \
+        return OK;                                             \
+    }
+
+UINT_GETTER(nvmlDeviceGetPowerManagementLimit, "power_limit", 700000)
+UINT_GETTER(nvmlDeviceGetPowerManagementDefaultLimit, "power_default", 700000)
+UINT_GETTER(nvmlDeviceGetCurrPcieLinkGeneration, "pcie_gen", 5)
+UINT_GETTER(nvmlDeviceGetMaxPcieLinkGeneration, "pcie_gen_max", 5)
+UINT_GETTER(nvmlDeviceGetCurrPcieLinkWidth, "pcie_width", 16)
+UINT_GETTER(nvmlDeviceGetMaxPcieLinkWidth, "pcie_width_max", 16)
+UINT_GETTER(nvmlDeviceGetPersistenceMode, "persistence", 1)
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t dev, unsigned int *current, unsigned int *pending) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetMigMode");
+    if (r) return r;
+    *current = *pending = (unsigned int)gpu_num(dev->index, "mig", 0);
+    return OK;
+}
+
+/* c_nvmlProcessInfo_v3_t as pynvml declares it. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t;
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t dev, unsigned int *count,
+                                                     nvmlProcessInfo_t *infos) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetComputeRunningProcesses_v3");
+    if (r) return r;
+    const char *spec = gpu_get(dev->index, "procs");
+    nvmlProcessInfo_t found[64];
+    unsigned int n = 0;
+    if (spec && *spec) {
+        char buf[256];
+        snprintf(buf, sizeof buf, "%s", spec);
+        for (char *tok = strtok(buf, ","); tok && n < 64; tok = strtok(NULL, ",")) {
+            char *colon = strchr(tok, ':');
+            found[n].pid = (unsigned int)strtoul(tok, NULL, 10);
+            found[n].usedGpuMemory = colon ? strtoull(colon + 1, NULL, 10) : 0;
+            found[n].gpuInstanceId = found[n].computeInstanceId = 0xFFFFFFFFu;
+            n++;
+        }
+    }
+    if (!infos || *count < n) {
+        *count = n;
+        return n ? ERR_INSUFFICIENT : OK;
+    }
+    memcpy(infos, found, n * sizeof *found);
+    *count = n;
+    return OK;
+}

@@ -1,0 +1,129 @@
+"""GPU preflight through the real pynvml, over a test double of libnvidia-ml.so.1 (this machine has no GPU).
+
+The double (tests/nvml_double/fake_nvml.c) is built here with the system compiler and found by
+the dynamic loader through LD_LIBRARY_PATH, as NVIDIA's library would be.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatrace.check.gpu import judge_gpus, probe_gpus
+from megatrace.check.results import Status, worst
+
+pytest.importorskip("pynvml")
+DOUBLE = Path(__file__).parent / "nvml_double" / "fake_nvml.c"
+
+
+@pytest.fixture(scope="module")
+def nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is needed to build the NVML test double"
+    out = tmp_path_factory.mktemp("nvml")
+    subprocess.run([cc, "-O2", "-fPIC", "-shared", "-Wall", "-Werror", "-Wl,-soname,libnvidia-ml.so.1",
+                    "-o", str(out / "libnvidia-ml.so.1"), str(DOUBLE)], check=True)
+    return out
+
+
+@pytest.fixture
+def node(nvml_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Returns a function: write the fake node's GPUs (key=value lines), run the probe, return the results."""
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(nvml_dir))
+
+    def run(config: str, expected: int | None = 8, timeout_s: float = 20.0):
+        path = tmp_path / "nvml.conf"
+        path.write_text(config)
+        monkeypatch.setenv("FAKE_NVML_CONFIG", str(path))
+        return probe_gpus("n7", expected, timeout_s)
+    return run
+
+
+HEALTHY = "gpus=8\ndriver=550.54.15\ncuda=12040\n"
+
+
+def by_probe(results, gpu=None):
+    return {r.probe: r for r in results if r.subject.gpu == gpu}
+
+
+def test_a_healthy_node_passes_every_check(node) -> None:
+    results = node(HEALTHY)
+    assert worst(results) == Status.OK, [r.message for r in results if r.status != Status.OK]
+    node_level = by_probe(results)
+    assert node_level["gpu.count"].value == 8
+    assert node_level["gpu.driver"].message == "driver 550.54.15, CUDA 12.4"
+    assert {r.subject.gpu for r in results} == {None, *range(8)}
+    gpu5 = by_probe(results, 5)
+    assert set(gpu5) >= {"gpu.temperature", "gpu.clocks", "gpu.ecc", "gpu.remap", "gpu.power", "gpu.pcie",
+                         "gpu.memory"}
+    assert gpu5["gpu.temperature"].subject.pci_bus == "00000000:1D:00.0"
+    assert gpu5["gpu.temperature"].subject.uuid.startswith("GPU-")
+
+
+@pytest.mark.parametrize("line, probe, status, words", [
+    ("gpu3.clock_events=0x8", "gpu.clocks", Status.FAIL, "HW slowdown"),
+    ("gpu3.clock_events=0x20", "gpu.clocks", Status.WARN, "SW thermal slowdown"),
+    ("gpu3.clock_events=0x1", "gpu.clocks", Status.OK, "no slowdown"),  # idle is not a slowdown
+    ("gpu3.ecc_dbe=2", "gpu.ecc", Status.FAIL, "2 uncorrected ECC errors"),
+    ("gpu3.ecc_sbe=500", "gpu.ecc", Status.WARN, "500 corrected"),
+    ("gpu3.remap_pending=1", "gpu.remap", Status.WARN, "pending a GPU reset"),
+    ("gpu3.remap_failure=1", "gpu.remap", Status.FAIL, "row remapping failed"),
+    ("gpu3.temp=84", "gpu.temperature", Status.WARN, "within 5 °C of slowdown"),
+    ("gpu3.temp=88", "gpu.temperature", Status.FAIL, "at its slowdown temperature 87 °C"),
+    ("gpu3.power_limit=500000", "gpu.power", Status.WARN, "500 W below its default 700 W"),
+    ("gpu3.pcie_width=8", "gpu.pcie", Status.WARN, "x8 of x16"),
+    ("gpu3.procs=4242:4294967296", "gpu.memory", Status.FAIL, "4096 MiB held by processes 4242"),
+    ("gpu3.error.nvmlDeviceGetRemappedRows=3", "gpu.remap", Status.SKIP, "Not Supported"),
+])
+def test_each_fault_is_named_on_its_gpu(node, line: str, probe: str, status: Status, words: str) -> None:
+    results = node(HEALTHY + line + "\n")
+    hit = by_probe(results, 3)[probe]
+    assert hit.status == status and words in hit.message, hit
+    others = [r for r in results if r.subject.gpu != 3 and r.status != Status.OK]
+    assert not others, others
+    if status == Status.FAIL:
+        assert hit.drain_reason().startswith("megatrace: GPU3 ")
+        assert hit.remediation
+
+
+def test_a_missing_gpu_fails_the_count(node) -> None:
+    results = node(HEALTHY.replace("gpus=8", "gpus=7"))
+    count = by_probe(results)["gpu.count"]
+    assert count.status == Status.FAIL and count.message == "7 GPUs visible, 8 allocated"
+
+
+def test_a_driver_that_is_not_loaded_fails(node) -> None:
+    (res,) = node("init_error=9\n")
+    assert res.status == Status.FAIL and res.message == "NVML unusable: Driver Not Loaded"
+
+
+def test_no_nvml_is_a_skip_without_gpus_and_a_failure_with(node, monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))  # no libnvidia-ml.so.1 here
+    (skip,) = node(HEALTHY, expected=None)
+    assert skip.status == Status.SKIP and "NVML Shared Library Not Found" in skip.message
+    (fail,) = node(HEALTHY, expected=4)
+    assert fail.status == Status.FAIL
+
+
+def test_a_wedged_driver_fails_within_the_timeout_instead_of_hanging(node) -> None:
+    t = time.monotonic()
+    (res,) = node(HEALTHY + "gpu2.hang_ms=30000\n", timeout_s=2.0)
+    assert time.monotonic() - t < 10
+    assert res.status == Status.FAIL and "did not answer within 2 s" in res.message
+
+
+def test_judging_needs_no_library() -> None:
+    """The rules alone, on facts as the reader returns them (with an error where a call failed)."""
+    facts = {"driver": "535.1", "cuda": 12020, "gpus": [
+        {"index": 0, "uuid": "GPU-a", "pci_bus": "0:1", "temp": 50, "slowdown_temp": {"error": "Not Supported"},
+         "clock_events": 0x80, "ecc_dbe": 0, "ecc_sbe": 0, "remapped_rows": [0, 0, 0, 0], "power_limit": 1,
+         "power_default": 1, "pcie_width": 16, "pcie_width_max": 16, "procs": [], "mig": [1, 1], "persistence": 0}]}
+    res = {r.probe: r for r in judge_gpus(facts, "n1", 1)}
+    assert res["gpu.clocks"].status == Status.FAIL and "HW power brake" in res["gpu.clocks"].message
+    assert res["gpu.temperature"].status == Status.OK  # no threshold known: only the reading
+    assert res["gpu.mig"].status == Status.WARN and res["gpu.persistence"].status == Status.WARN
