@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[torch,test]"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[torch,test,mpi]"
 	touch $@
 
 # The main job on its embedded default: the 8-rank TP2·PP2·DP2 demo with an injected hang,

@@ -200,17 +200,7 @@ from megatrace.simulate.command import simulate as _simulate  # noqa: E402  (imp
 main.add_command(_simulate)
 
 
-@click.command("megatrace-check", context_settings=CONTEXT_SETTINGS)
-@click.version_option(__version__, prog_name="megatrace-check")
-def check_main() -> None:
-    """Preflight health checks of GPUs, nodes and the network before a job runs.
-
-    The probes (pynvml GPU checks, node consistency, network bandwidth matrix) are
-    not part of this release yet; this command exits with status 2 so that no
-    prolog mistakes it for a passing check.
-    """
-    click.echo("megatrace-check: no preflight probes in this release; nothing was checked", err=True)
-    sys.exit(2)
+from megatrace.check.command import check_main  # noqa: E402,F401  (the megatrace-check entry point)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,176 @@
+"""Node facts and node checks: what a job needs of its host besides the GPUs.
+
+:func:`read_host` gathers plain facts (kernel, CPUs, memory, free space where
+the rings and the job directory go, InfiniBand/RoCE ports from sysfs, library
+versions, the wall clock); :func:`judge_host` checks one node alone, and
+:func:`judge_allocation` compares the nodes of one allocation with each other
+(a node with fewer CPUs, less memory, other versions or a clock far from the
+rest slows or breaks the whole job).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatrace.check.results import ProbeResult, Status, Subject
+
+IB_ROOT = Path("/sys/class/infiniband")
+
+
+@dataclass(frozen=True)
+class HostThresholds:
+    min_free_shm_mib: int = 1024  # /dev/shm: NCCL and the rings live there
+    min_free_job_mib: int = 1024  # the job directory: traces and reports
+    cpu_ratio_warn: float = 0.75  # fewer CPUs than this share of the allocation's median
+    mem_ratio_warn: float = 0.75
+    clock_offset_warn_ms: float = 50.0  # wall clocks this far from the allocation's median
+    clock_offset_fail_ms: float = 1000.0
+
+
+def read_host(job_dir: str | None = None) -> dict[str, Any]:
+    """This node's facts as plain data."""
+    facts: dict[str, Any] = {"kernel": platform.release(), "cpus": len(os.sched_getaffinity(0)),
+                             "cpus_online": os.cpu_count(), "wall_ns": time.time_ns()}
+    try:
+        facts["mem_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        facts["mem_bytes"] = None
+    for name, path in (("shm", "/dev/shm"), ("job_dir", job_dir)):
+        if path:
+            try:
+                facts[f"{name}_free"] = shutil.disk_usage(path).free
+            except OSError as exc:
+                facts[f"{name}_free"] = {"error": f"{path}: {exc.strerror}"}
+    facts["ib_ports"] = read_ib_ports()
+    facts["versions"] = _versions()
+    return facts
+
+
+def read_ib_ports(root: Path = IB_ROOT) -> list[dict[str, Any]]:
+    """Every InfiniBand/RoCE port under ``root``: state, rate and the error counters that matter."""
+    ports = []
+    if not root.is_dir():
+        return ports
+    for dev in sorted(root.iterdir()):
+        for port in sorted((dev / "ports").glob("*")):
+            entry: dict[str, Any] = {"device": dev.name, "port": port.name,
+                                     "state": _read(port / "state"), "rate": _read(port / "rate"),
+                                     "link_layer": _read(port / "link_layer")}
+            counters = {}
+            for name in ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors",
+                         "local_link_integrity_errors", "excessive_buffer_overrun_errors"):
+                value = _read(port / "counters" / name)
+                if value is not None and value.isdigit():
+                    counters[name] = int(value)
+            entry["counters"] = counters
+            ports.append(entry)
+    return ports
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return out
+    for pkg in ("torch", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "megatrace"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def judge_host(facts: dict[str, Any], node: str, t: HostThresholds = HostThresholds()) -> list[ProbeResult]:
+    """Checks of one node on its own: free space and its network ports."""
+    here = Subject(node)
+    res = []
+    for name, label, floor in (("shm", "/dev/shm", t.min_free_shm_mib), ("job_dir", "the job directory",
+                                                                         t.min_free_job_mib)):
+        free = facts.get(f"{name}_free")
+        if free is None:
+            continue
+        if isinstance(free, dict):
+            res.append(ProbeResult(f"node.{name}", Status.FAIL, here, f"{label} unusable: {free['error']}",
+                                   remediation="Check the mount and its permissions."))
+            continue
+        mib = free >> 20
+        status = Status.FAIL if mib < floor else Status.OK
+        res.append(ProbeResult(f"node.{name}", status, here, f"{mib:,} MiB free in {label}", mib, floor,
+                               "" if status == Status.OK else f"Free space in {label}: traces, NCCL and "
+                                                              "checkpoints need it."))
+    for p in facts.get("ib_ports", []):
+        subj = Subject(node)
+        where = f"{p['device']}/{p['port']}"
+        state = p.get("state") or ""
+        if "ACTIVE" not in state:
+            res.append(ProbeResult("node.ib", Status.FAIL, subj, f"port {where} is {state or 'unknown'}", state,
+                                   "ACTIVE", "Check the cable and the switch port; drain the node."))
+            continue
+        errors = {k: v for k, v in p.get("counters", {}).items() if v}
+        if errors.get("link_downed") or errors.get("symbol_error", 0) > 100:
+            res.append(ProbeResult("node.ib", Status.WARN, subj, f"port {where} ({p.get('rate')}) has errors: "
+                                   + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())), errors,
+                                   remediation="A flapping or noisy link slows collectives: check the cable."))
+        else:
+            res.append(ProbeResult("node.ib", Status.OK, subj, f"port {where} ACTIVE, {p.get('rate')}", state))
+    return res
+
+
+def judge_allocation(hosts: dict[str, dict[str, Any]], t: HostThresholds = HostThresholds()) -> list[ProbeResult]:
+    """Compare the nodes with each other: CPUs, memory, kernel and library versions, wall clocks."""
+    res: list[ProbeResult] = []
+    if len(hosts) < 2:
+        return res
+    for key, label, ratio in (("cpus", "CPUs", t.cpu_ratio_warn), ("mem_bytes", "memory", t.mem_ratio_warn)):
+        values = {n: f[key] for n, f in hosts.items() if isinstance(f.get(key), int)}
+        if len(values) < 2:
+            continue
+        med = statistics.median(values.values())
+        for node, v in sorted(values.items()):
+            if v < ratio * med:
+                shown = (lambda x: f"{x >> 30} GiB") if key == "mem_bytes" else str
+                res.append(ProbeResult(f"node.{key}", Status.WARN, Subject(node),
+                                       f"{shown(v)} {label}, the allocation's median is {shown(int(med))}", v,
+                                       int(med), "A smaller node slows every rank that waits for it."))
+    for key, label in (("kernel", "kernel"), ("versions", "library versions")):
+        groups: dict[str, list[str]] = {}
+        for node, f in hosts.items():
+            groups.setdefault(repr(f.get(key)), []).append(node)
+        if len(groups) > 1:
+            majority = max(groups.values(), key=len)
+            for nodes in groups.values():
+                if nodes is majority:
+                    continue
+                for node in nodes:
+                    res.append(ProbeResult(f"node.{key}", Status.WARN, Subject(node),
+                                           f"{label} differ from the rest of the allocation: "
+                                           f"{hosts[node].get(key)} vs {hosts[majority[0]].get(key)}",
+                                           hosts[node].get(key), hosts[majority[0]].get(key),
+                                           "Mixed software versions break or slow collectives: align the image."))
+    walls = {n: f["wall_ns"] for n, f in hosts.items() if isinstance(f.get("wall_ns"), int)}
+    if len(walls) >= 2:
+        med = statistics.median(walls.values())
+        for node, w in sorted(walls.items()):
+            off_ms = (w - med) / 1e6
+            status = (Status.FAIL if abs(off_ms) >= t.clock_offset_fail_ms else
+                      Status.WARN if abs(off_ms) >= t.clock_offset_warn_ms else Status.OK)
+            if status != Status.OK:
+                res.append(ProbeResult("node.clock", status, Subject(node),
+                                       f"wall clock {off_ms:+.0f} ms from the allocation's median", round(off_ms, 1),
+                                       t.clock_offset_warn_ms, "Check NTP/chrony on this node."))
+    return res

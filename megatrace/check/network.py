@@ -1,0 +1,137 @@
+"""Network checks over MPI (mpi4py): all-reduce bus bandwidth and a node x node bandwidth/latency matrix.
+
+On GPU nodes the same measurements run through NCCL when torch is there; over
+MPI they measure the host network path, which is what a CPU-only allocation
+(and this project's CI) has. :func:`judge_matrix` reads the matrix the way a
+delay matrix is read: a node whose whole row is slow is a bad node, a single
+slow cell between good nodes is a bad link.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from megatrace.check.results import ProbeResult, Status, Subject
+
+
+@dataclass(frozen=True)
+class NetThresholds:
+    slow_ratio: float = 0.5  # bandwidth below this share of the allocation's median is slow
+    min_busbw_gbps: float = 0.0  # an absolute floor for the all-reduce (per site, configs/thresholds.yaml)
+
+
+def allreduce_busbw(comm: Any, nbytes: int, iters: int = 5) -> float:
+    """Bus bandwidth (GB/s) of an all-reduce of ``nbytes`` over ``comm``, as nccl-tests defines it."""
+    from mpi4py import MPI
+
+    n = comm.Get_size()
+    buf = np.ones(max(nbytes // 4, 1), np.float32)
+    out = np.empty_like(buf)
+    comm.Allreduce(buf, out, op=MPI.SUM)  # warm-up: connection setup
+    comm.Barrier()
+    t = time.perf_counter()
+    for _ in range(iters):
+        comm.Allreduce(buf, out, op=MPI.SUM)
+    elapsed = comm.allreduce(time.perf_counter() - t, op=MPI.MAX) / iters
+    algbw = buf.nbytes / elapsed / 1e9
+    return algbw * 2 * (n - 1) / n if n > 1 else algbw
+
+
+def round_robin(n: int) -> list[list[tuple[int, int]]]:
+    """Rounds of disjoint pairs covering every pair of ``n`` members once (the circle method)."""
+    m = n + (n % 2)
+    ring = list(range(m))
+    rounds = []
+    for _ in range(m - 1):
+        pairs = [(ring[i], ring[m - 1 - i]) for i in range(m // 2)]
+        rounds.append([(a, b) for a, b in pairs if a < n and b < n])
+        ring = [ring[0], ring[-1], *ring[1:-1]]
+    return rounds
+
+
+def pair_matrix(comm: Any, nbytes: int, iters: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Ping-pong between every pair of ``comm``'s members: (bandwidth GB/s, latency µs), [n, n], NaN on the diagonal.
+
+    Every member must call it; the result is complete on every member.
+    """
+    from mpi4py import MPI
+
+    n, me = comm.Get_size(), comm.Get_rank()
+    bw = np.full((n, n), np.nan)
+    lat = np.full((n, n), np.nan)
+    big = np.ones(max(nbytes, 1), np.uint8)
+    small = np.ones(8, np.uint8)
+    for pairs in round_robin(n):
+        comm.Barrier()
+        for a, b in pairs:
+            if me not in (a, b):
+                continue
+            peer = b if me == a else a
+            for buf, out in ((small, lat), (big, bw)):
+                got = np.empty_like(buf)
+                t = time.perf_counter()
+                for _ in range(iters):
+                    if me == a:
+                        comm.Send(buf, dest=peer, tag=7)
+                        comm.Recv(got, source=peer, tag=7)
+                    else:
+                        comm.Recv(got, source=peer, tag=7)
+                        comm.Send(buf, dest=peer, tag=7)
+                rtt = (time.perf_counter() - t) / iters
+                if out is lat:
+                    lat[a, b] = lat[b, a] = rtt / 2 * 1e6
+                else:
+                    bw[a, b] = bw[b, a] = 2 * buf.nbytes / rtt / 1e9
+    bw_all = np.empty_like(bw)
+    comm.Allreduce(np.nan_to_num(bw, nan=0.0), bw_all, op=MPI.MAX)
+    lat_all = np.empty_like(lat)
+    comm.Allreduce(np.nan_to_num(lat, nan=0.0), lat_all, op=MPI.MAX)
+    np.fill_diagonal(bw_all, np.nan)
+    np.fill_diagonal(lat_all, np.nan)
+    return bw_all, lat_all
+
+
+def judge_matrix(nodes: list[str], bw: np.ndarray, t: NetThresholds = NetThresholds()) -> list[ProbeResult]:
+    """A slow row is a slow node; a slow cell between two good nodes is a slow link."""
+    n = len(nodes)
+    if n < 3:  # with two nodes a slow link and a slow node look the same: report the pair
+        if n == 2 and not np.isnan(bw[0, 1]):
+            return [ProbeResult("net.pair", Status.OK, Subject(nodes[0]), f"{nodes[0]} ↔ {nodes[1]}: "
+                                f"{bw[0, 1]:.2f} GB/s", round(float(bw[0, 1]), 3))]
+        return []
+    overall = float(np.nanmedian(bw))
+    res = []
+    row_med = np.nanmedian(bw, axis=1)
+    bad_rows = {i for i in range(n) if row_med[i] < t.slow_ratio * overall}
+    for i in sorted(bad_rows):
+        res.append(ProbeResult("net.node", Status.FAIL, Subject(nodes[i]),
+                               f"point-to-point bandwidth to the other nodes {row_med[i]:.2f} GB/s, "
+                               f"{row_med[i] / overall:.0%} of the allocation's median {overall:.2f} GB/s",
+                               round(float(row_med[i]), 3), round(overall * t.slow_ratio, 3),
+                               "Check this node's NIC (link rate, errors, PCIe) and its switch port; drain it."))
+    for i in range(n):
+        for j in range(i + 1, n):
+            if i in bad_rows or j in bad_rows or np.isnan(bw[i, j]):
+                continue
+            if bw[i, j] < t.slow_ratio * overall:
+                res.append(ProbeResult("net.link", Status.WARN, Subject(nodes[i]),
+                                       f"link {nodes[i]} ↔ {nodes[j]}: {bw[i, j]:.2f} GB/s, "
+                                       f"{bw[i, j] / overall:.0%} of the median", round(float(bw[i, j]), 3),
+                                       round(overall * t.slow_ratio, 3),
+                                       "Check the route between these two nodes (cables, switch, adaptive routing)."))
+    if not res:
+        res.append(ProbeResult("net.matrix", Status.OK, Subject(nodes[0]),
+                               f"{n} nodes, pairwise bandwidth median {overall:.2f} GB/s "
+                               f"(min {np.nanmin(bw):.2f})", round(overall, 3)))
+    return res
+
+
+def judge_busbw(busbw: float, node: str, nranks: int, t: NetThresholds = NetThresholds()) -> ProbeResult:
+    status = Status.FAIL if busbw < t.min_busbw_gbps else Status.OK
+    return ProbeResult("net.allreduce", status, Subject(node), f"all-reduce over {nranks} ranks: "
+                       f"bus bandwidth {busbw:.2f} GB/s", round(busbw, 3), t.min_busbw_gbps,
+                       "" if status == Status.OK else "Below the site's floor: run nccl-tests and check the fabric.")

@@ -1,0 +1,236 @@
+"""Run the preflight on one node or, under srun/mpiexec, on the whole allocation, and decide the exit status.
+
+Under MPI every task joins: the first task of each node checks that node and
+its GPUs (NVML sees all of a node's GPUs whatever CUDA_VISIBLE_DEVICES says),
+every task takes part in the all-reduce, the first tasks of the nodes measure
+the node x node matrix (``--level full``), and task 0 gathers everything,
+compares the nodes with each other and prints one table. Every task exits with
+the same status. A watchdog bounds the whole run: a check that hangs (a wedged
+driver, a dead peer in a collective) becomes a failure with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatrace.check.gpu import probe_gpus
+from megatrace.check.host import judge_allocation, judge_host, read_host
+from megatrace.check.results import ProbeResult, Status, worst
+
+EXIT = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 3, Status.FAIL: 4}  # 1: could not run, 2: bad usage
+LEVELS = ("quick", "full")
+QUICK_BYTES, FULL_BYTES = 1 << 20, 32 << 20  # all-reduce size per level
+PAIR_BYTES = 8 << 20
+
+
+@dataclass
+class CheckOptions:
+    level: str = "quick"
+    only: tuple[str, ...] = ()  # probe name prefixes ("gpu", "node", "net", "gpu.ecc", ...)
+    expect_gpus: int | None = None
+    job_dir: str | None = None
+    timeout_s: float = 60.0
+    node: str | None = None
+
+
+@dataclass
+class CheckReport:
+    nodes: list[str]
+    results: list[ProbeResult]
+    facts: dict[str, Any] = field(default_factory=dict)  # node -> host facts
+    matrix: dict[str, Any] | None = None  # {"nodes", "bandwidth_gbps", "latency_us"}
+    elapsed_s: float = 0.0
+    verdict_code: int | None = None  # on tasks other than 0: the allocation's exit status, from task 0
+
+    @property
+    def status(self) -> Status:
+        return worst(self.results)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT[self.status] if self.verdict_code is None else self.verdict_code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status.value, "exit_code": self.exit_code, "nodes": self.nodes,
+                "elapsed_s": round(self.elapsed_s, 3), "results": [r.to_dict() for r in self.results],
+                "matrix": self.matrix, "facts": self.facts}
+
+
+def node_name(given: str | None = None) -> str:
+    return given or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def expected_gpus(given: int | None) -> int | None:
+    """``--expect-gpus``, else what Slurm allocated (SLURM_GPUS_ON_NODE), else CUDA_VISIBLE_DEVICES."""
+    if given is not None:
+        return given
+    on_node = os.environ.get("SLURM_GPUS_ON_NODE", "")
+    if on_node.isdigit():
+        return int(on_node)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible and visible not in ("NoDevFiles", "-1"):
+        return len([v for v in visible.split(",") if v.strip()])
+    return None
+
+
+def _wanted(name: str, only: tuple[str, ...]) -> bool:
+    """A result of probe ``name`` is kept (``--only gpu`` keeps gpu.*, ``--only gpu.ecc`` just that one)."""
+    return not only or any(name == o or name.startswith(o + ".") for o in only)
+
+
+def _family(family: str, only: tuple[str, ...]) -> bool:
+    """Some probe of ``family`` ("gpu", "node", "net") is asked for."""
+    return not only or any(o.split(".")[0] == family for o in only)
+
+
+def check_this_node(opts: CheckOptions, node: str) -> tuple[list[ProbeResult], dict[str, Any]]:
+    """The node's own checks: GPUs (in a child under a timeout) and the host."""
+    results: list[ProbeResult] = []
+    facts = read_host(opts.job_dir)
+    if _family("gpu", opts.only):
+        results += probe_gpus(node, expected_gpus(opts.expect_gpus), timeout_s=min(opts.timeout_s / 2, 30.0))
+    results += judge_host(facts, node)
+    return [r for r in results if _wanted(r.probe, opts.only)], facts
+
+
+def _mpi_world() -> Any | None:
+    """COMM_WORLD when this process was started by an MPI launcher with more than one task, else None."""
+    launched = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
+                                             "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS"))
+    if not launched:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    return comm if comm.Get_size() > 1 else None
+
+
+def run(opts: CheckOptions) -> CheckReport:
+    """Check this node, or the whole MPI job; the report is complete on task 0 (others: their own part)."""
+    t0 = time.perf_counter()
+    node = node_name(opts.node)
+    comm = _mpi_world()
+    if comm is None:
+        results, facts = check_this_node(opts, node)
+        return CheckReport([node], results, {node: facts}, None, time.perf_counter() - t0)
+    return _run_mpi(comm, opts, node, t0)
+
+
+def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport:
+    from megatrace.check.network import allreduce_busbw, judge_busbw, judge_matrix, pair_matrix
+
+    names = comm.allgather(node)
+    nodes = sorted(set(names))
+    node_comm = comm.Split(nodes.index(node), comm.Get_rank())
+    leader = node_comm.Get_rank() == 0
+    results: list[ProbeResult] = []
+    facts: dict[str, Any] = {}
+    if leader:
+        results, facts = check_this_node(opts, node)
+    comm.Barrier()
+    if leader:
+        facts["wall_ns"] = time.time_ns()  # read right after a barrier: comparable across nodes
+    matrix = None
+    if _family("net", opts.only):
+        busbw = allreduce_busbw(comm, FULL_BYTES if opts.level == "full" else QUICK_BYTES)
+        if comm.Get_rank() == 0:
+            results.append(judge_busbw(busbw, node, comm.Get_size()))
+        leaders = comm.Split(0 if leader else 1, nodes.index(node))
+        if leader and opts.level == "full" and leaders.Get_size() > 1:
+            bw, lat = pair_matrix(leaders, PAIR_BYTES)
+            if leaders.Get_rank() == 0:
+                results += judge_matrix(nodes, bw)
+                matrix = {"nodes": nodes, "bandwidth_gbps": _rounded(bw), "latency_us": _rounded(lat)}
+        leaders.Free()
+    gathered = comm.gather((node, leader, results, facts, matrix), root=0)
+    node_comm.Free()
+    if comm.Get_rank() != 0:
+        code = comm.bcast(None, root=0)
+        return CheckReport([node], results, {node: facts}, None, time.perf_counter() - t0, verdict_code=code)
+    all_results: list[ProbeResult] = []
+    all_facts: dict[str, Any] = {}
+    for name, is_leader, res, f, m in gathered:
+        all_results += res
+        if is_leader:
+            all_facts[name] = f
+        matrix = matrix or m
+    if _family("node", opts.only):
+        all_results += [r for r in judge_allocation(all_facts) if _wanted(r.probe, opts.only)]
+    report = CheckReport(nodes, all_results, all_facts, matrix, time.perf_counter() - t0)
+    comm.bcast(report.exit_code, root=0)
+    return report
+
+
+def _rounded(m: Any) -> list[list[float | None]]:
+    return [[None if v != v else round(float(v), 3) for v in row] for row in m]
+
+
+class Watchdog:
+    """Ends the process with a failure line when the whole check runs past its deadline."""
+
+    def __init__(self, timeout_s: float, node: str) -> None:
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(timeout_s, node), daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self, timeout_s: float, node: str) -> None:
+        if not self._done.wait(timeout_s):
+            sys.stderr.write(f"megatrace-check: FAIL {node}: the checks did not finish within {timeout_s:g} s "
+                             "(a probe or a peer is hung)\n")
+            sys.stderr.flush()
+            os._exit(EXIT[Status.FAIL])
+
+
+def table(report: CheckReport) -> str:
+    """One line per result that is not OK (worst first), then a line per node with its count of passed checks."""
+    bad = sorted((r for r in report.results if r.status not in (Status.OK, Status.SKIP)),
+                 key=lambda r: (-r.status.rank, r.subject.node, r.subject.gpu if r.subject.gpu is not None else -1))
+    lines = [f"{r.status.value.upper():4} {r.subject.label():20} {r.probe:16} {r.message}" for r in bad]
+    per_node: dict[str, dict[Status, int]] = {}
+    for r in report.results:
+        counts = per_node.setdefault(r.subject.node, {})
+        counts[r.status] = counts.get(r.status, 0) + 1
+    for node in sorted(per_node):
+        c = per_node[node]
+        lines.append(f"{'node':4} {node:20} {worst([r for r in report.results if r.subject.node == node]).value:16} "
+                     + ", ".join(f"{c[s]} {s.value}" for s in Status if c.get(s)))
+    lines.append(f"verdict: {report.status.value} ({len(report.nodes)} node(s), {len(report.results)} checks, "
+                 f"{report.elapsed_s:.1f} s)")
+    return "\n".join(lines)
+
+
+def prom_textfile(report: CheckReport, path: str | os.PathLike[str]) -> None:
+    """Node-exporter textfile metrics: one status gauge per check and subject (0 ok/skip, 1 warn, 2 fail)."""
+    level = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 1, Status.FAIL: 2}
+    lines = ["# HELP megatrace_check_status MegaTrace preflight: 0 ok, 1 warning, 2 failure",
+             "# TYPE megatrace_check_status gauge"]
+    for r in report.results:
+        gpu = f',gpu="{r.subject.gpu}"' if r.subject.gpu is not None else ""
+        lines.append(f'megatrace_check_status{{node="{_esc(r.subject.node)}",probe="{r.probe}"{gpu}}} {level[r.status]}')
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)  # node-exporter must never read half a file
+
+
+def _esc(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def write_json(report: CheckReport, path: str | os.PathLike[str]) -> None:
+    Path(path).write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")

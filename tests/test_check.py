@@ -1,0 +1,173 @@
+"""megatrace-check: node and network judgement, the runner under a real mpiexec, exit codes and outputs.
+
+GPUs come from the NVML test double (see test_check_gpu.py); the MPI runs emulate several nodes
+on this host by giving each task group its own SLURMD_NODENAME (and NVML config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatrace.check.host import judge_allocation, judge_host, read_host, read_ib_ports
+from megatrace.check.network import judge_matrix, round_robin
+from megatrace.check.results import Status
+
+BIN = Path(sys.executable).parent
+DOUBLE = Path(__file__).parent / "nvml_double" / "fake_nvml.c"
+
+
+# -- judgement, no hardware --------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", range(2, 10))
+def test_round_robin_pairs_every_two_members_once_in_disjoint_rounds(n: int) -> None:
+    rounds = round_robin(n)
+    seen = [tuple(sorted(p)) for r in rounds for p in r]
+    assert sorted(seen) == sorted(combinations(range(n), 2))
+    for r in rounds:
+        members = [m for p in r for m in p]
+        assert len(members) == len(set(members))
+
+
+def _matrix(n: int, value: float = 10.0) -> np.ndarray:
+    m = np.full((n, n), value)
+    np.fill_diagonal(m, np.nan)
+    return m
+
+
+def test_a_slow_row_is_a_bad_node_and_a_slow_cell_a_bad_link() -> None:
+    nodes = [f"n{i}" for i in range(6)]
+    m = _matrix(6)
+    m[4, :] = m[:, 4] = 2.0  # n4's NIC
+    m[1, 3] = m[3, 1] = 3.0  # the n1-n3 route
+    np.fill_diagonal(m, np.nan)
+    res = judge_matrix(nodes, m)
+    assert [(r.probe, r.status, r.subject.node) for r in res] == [("net.node", Status.FAIL, "n4"),
+                                                                   ("net.link", Status.WARN, "n1")]
+    assert "n1 ↔ n3" in res[1].message and "20% of the allocation's median" in res[0].message
+
+
+def test_a_healthy_matrix_is_one_ok_line() -> None:
+    m = _matrix(5) + np.random.default_rng(0).uniform(-1, 1, (5, 5))
+    (res,) = judge_matrix([f"n{i}" for i in range(5)], m)
+    assert res.status == Status.OK and res.probe == "net.matrix"
+
+
+def test_allocation_comparisons_name_the_odd_node() -> None:
+    base = {"cpus": 64, "mem_bytes": 512 << 30, "kernel": "6.1.0", "versions": {"torch": "2.13.0"},
+            "wall_ns": 1_000_000_000_000}
+    hosts = {f"n{i}": dict(base) for i in range(4)}
+    hosts["n1"] = {**base, "cpus": 8}
+    hosts["n2"] = {**base, "versions": {"torch": "2.9.1"}}
+    hosts["n3"] = {**base, "wall_ns": base["wall_ns"] + 2_000_000_000}
+    res = {(r.probe, r.subject.node): r for r in judge_allocation(hosts)}
+    assert res[("node.cpus", "n1")].status == Status.WARN and "8 CPUs" in res[("node.cpus", "n1")].message
+    assert res[("node.versions", "n2")].status == Status.WARN and "2.9.1" in res[("node.versions", "n2")].message
+    assert res[("node.clock", "n3")].status == Status.FAIL
+    assert {node for _, node in res} == {"n1", "n2", "n3"}
+
+
+def test_infiniband_ports_from_sysfs(tmp_path: Path) -> None:
+    def port(dev: str, num: int, state: str, **counters: int) -> None:
+        p = tmp_path / dev / "ports" / str(num)
+        (p / "counters").mkdir(parents=True)
+        (p / "state").write_text(state + "\n")
+        (p / "rate").write_text("400 Gb/sec (4X NDR)\n")
+        for k, v in counters.items():
+            (p / "counters" / k).write_text(f"{v}\n")
+    port("mlx5_0", 1, "4: ACTIVE", symbol_error=0, link_downed=0)
+    port("mlx5_1", 1, "1: DOWN")
+    port("mlx5_2", 1, "4: ACTIVE", link_downed=3)
+    facts = {"ib_ports": read_ib_ports(tmp_path)}
+    res = {r.message.split()[1]: r for r in judge_host(facts, "n1")}
+    assert res["mlx5_0/1"].status == Status.OK
+    assert res["mlx5_1/1"].status == Status.FAIL and "DOWN" in res["mlx5_1/1"].message
+    assert res["mlx5_2/1"].status == Status.WARN and "link_downed 3" in res["mlx5_2/1"].message
+
+
+def test_host_facts_and_an_unusable_job_dir(tmp_path: Path) -> None:
+    facts = read_host(str(tmp_path / "missing"))
+    assert facts["cpus"] >= 1 and facts["mem_bytes"] > 0 and isinstance(facts["shm_free"], int)
+    res = {r.probe: r for r in judge_host(facts, "n1")}
+    assert res["node.job_dir"].status == Status.FAIL and "No such file" in res["node.job_dir"].message
+
+
+# -- the command, on this node and under mpiexec -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("nvml")
+    subprocess.run([shutil.which("cc") or "gcc", "-O2", "-fPIC", "-shared", "-Wl,-soname,libnvidia-ml.so.1",
+                    "-o", str(out / "libnvidia-ml.so.1"), str(DOUBLE)], check=True)
+    return out
+
+
+def _conf(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def _env(nvml_dir: Path, conf: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "SLURM_", "OMPI_", "MPI_"))}
+    return {**env, "LD_LIBRARY_PATH": str(nvml_dir), "FAKE_NVML_CONFIG": conf}
+
+
+def test_exit_codes_json_and_prometheus_on_one_node(nvml_dir: Path, tmp_path: Path) -> None:
+    cmd = [str(BIN / "megatrace-check"), "--expect-gpus", "2", "--node", "n9"]
+    ok = subprocess.run(cmd, env=_env(nvml_dir, _conf(tmp_path / "a", "gpus=2\n")), capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.splitlines()[-1].startswith("verdict: ok")
+    warn = subprocess.run(cmd + ["--json", str(tmp_path / "w.json"), "--prom-textfile", str(tmp_path / "w.prom")],
+                          env=_env(nvml_dir, _conf(tmp_path / "b", "gpus=2\ngpu1.pcie_width=4\n")),
+                          capture_output=True, text=True)
+    assert warn.returncode == 3, warn.stdout + warn.stderr
+    assert "WARN n9 GPU1" in warn.stdout and "PCIe link x4 of x16" in warn.stdout
+    doc = json.loads((tmp_path / "w.json").read_text())
+    assert doc["status"] == "warn" and doc["exit_code"] == 3
+    assert 'megatrace_check_status{node="n9",probe="gpu.pcie",gpu="1"} 1' in (tmp_path / "w.prom").read_text()
+    only = subprocess.run(cmd + ["--only", "gpu.ecc"], env=_env(nvml_dir, _conf(tmp_path / "c", "gpus=2\n"
+                                                                             "gpu1.pcie_width=4\ngpu0.ecc_dbe=1\n")),
+                          capture_output=True, text=True)
+    assert only.returncode == 4 and "gpu.ecc" in only.stdout and "gpu.pcie" not in only.stdout
+
+
+def test_a_hung_probe_is_a_failure_not_a_hung_prolog(nvml_dir: Path, tmp_path: Path) -> None:
+    t = time.monotonic()
+    done = subprocess.run([str(BIN / "megatrace-check"), "--expect-gpus", "1", "--timeout", "4"],
+                          env=_env(nvml_dir, _conf(tmp_path / "h", "gpus=1\ngpu0.hang_ms=60000\n")),
+                          capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t < 30
+    assert done.returncode == 4 and "NVML did not answer within 2 s" in done.stdout
+
+
+def test_one_table_for_three_nodes_under_mpiexec(nvml_dir: Path, tmp_path: Path) -> None:
+    mpiexec = BIN / "mpiexec"
+    if not mpiexec.exists():
+        pytest.fail("mpiexec (the mpich wheel) is missing from the environment: make install brings it")
+    healthy = _conf(tmp_path / "ok.conf", "gpus=2\n")
+    broken = _conf(tmp_path / "bad.conf", "gpus=2\ngpu1.remap_failure=1\n")
+    cmd = [str(BIN / "megatrace-check"), "--level", "full", "--expect-gpus", "2", "--timeout", "90",
+           "--json", str(tmp_path / "all.json")]  # only task 0 writes it
+    argv = [str(mpiexec)]
+    for i, (tasks, conf) in enumerate([(2, healthy), (1, broken), (1, healthy)]):
+        argv += ([":"] if i else []) + ["-n", str(tasks), "-env", "SLURMD_NODENAME", f"n{i + 1}",
+                                        "-env", "FAKE_NVML_CONFIG", conf] + cmd
+    done = subprocess.run(argv, env=_env(nvml_dir, healthy),
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 4, done.stdout + done.stderr  # every task exits with the allocation's verdict
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("FAIL n2 GPU1") and "row remapping failed" in lines[0]
+    assert sum(line.startswith("verdict:") for line in lines) == 1  # one table, printed by task 0
+    doc = json.loads((tmp_path / "all.json").read_text())
+    assert doc["nodes"] == ["n1", "n2", "n3"]
+    bw = np.array(doc["matrix"]["bandwidth_gbps"], dtype=float)
+    assert bw.shape == (3, 3) and np.isnan(np.diag(bw)).all() and (bw[~np.eye(3, dtype=bool)] > 0).all()
+    probes = {(r["probe"], r["subject"]["node"]) for r in doc["results"]}
+    assert ("net.allreduce", "n1") in probes and {("gpu.count", f"n{i}") for i in (1, 2, 3)} <= probes
