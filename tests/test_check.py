@@ -115,8 +115,11 @@ def _conf(path: Path, text: str) -> str:
 
 
 def _env(nvml_dir: Path, conf: str) -> dict[str, str]:
+    """The test's NVML double, and limits that this machine's small /dev/shm (a container's 64 MiB) passes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "SLURM_", "OMPI_", "MPI_"))}
-    return {**env, "LD_LIBRARY_PATH": str(nvml_dir), "FAKE_NVML_CONFIG": conf}
+    limits = Path(conf).with_name("limits.yaml")
+    limits.write_text("node: {min_free_shm_mib: 0, min_free_job_mib: 0}\n")
+    return {**env, "LD_LIBRARY_PATH": str(nvml_dir), "FAKE_NVML_CONFIG": conf, "MEGATRACE_THRESHOLDS": str(limits)}
 
 
 def test_exit_codes_json_and_prometheus_on_one_node(nvml_dir: Path, tmp_path: Path) -> None:
@@ -171,3 +174,30 @@ def test_one_table_for_three_nodes_under_mpiexec(nvml_dir: Path, tmp_path: Path)
     assert bw.shape == (3, 3) and np.isnan(np.diag(bw)).all() and (bw[~np.eye(3, dtype=bool)] > 0).all()
     probes = {(r["probe"], r["subject"]["node"]) for r in doc["results"]}
     assert ("net.allreduce", "n1") in probes and {("gpu.count", f"n{i}") for i in (1, 2, 3)} <= probes
+
+
+def test_thresholds_files_are_strict_and_calibration_writes_one(tmp_path: Path) -> None:
+    from megatrace.check.thresholds import ThresholdsError, calibrated, load_thresholds, save_thresholds
+
+    shipped = load_thresholds(Path(__file__).parent.parent / "configs" / "thresholds.yaml")
+    assert shipped == load_thresholds(None)  # the shipped file lists the defaults
+    bad = tmp_path / "t.yaml"
+    for text, words in [("gpu: {ecc_dbe_fial: 2}\n", "gpu.ecc_dbe_fial: unknown limit"),
+                        ("net: {slow_ratio: fast}\n", "net.slow_ratio: expected a float"),
+                        ("gpu: {ecc_dbe_fail: 1.5}\n", "gpu.ecc_dbe_fail: expected a int"),
+                        ("disk: {}\n", "unknown section 'disk'"), ("gpu: [1\n", "not valid YAML")]:
+        bad.write_text(text)
+        with pytest.raises(ThresholdsError, match=words) as info:
+            load_thresholds(bad)
+        assert str(bad) in str(info.value)
+    out = tmp_path / "cal.yaml"
+    save_thresholds(calibrated(load_thresholds(None), 12.5), out)
+    assert load_thresholds(out).net.min_busbw_gbps == 10.0
+
+
+def test_a_bad_thresholds_file_is_one_error_line(tmp_path: Path) -> None:
+    (tmp_path / "t.yaml").write_text("gpu: {nope: 1}\n")
+    done = subprocess.run([str(BIN / "megatrace-check"), "--thresholds", str(tmp_path / "t.yaml")],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.startswith("Error: ") and "gpu.nope" in done.stderr
+    assert "Traceback" not in done.stderr

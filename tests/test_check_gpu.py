@@ -90,6 +90,19 @@ def test_each_fault_is_named_on_its_gpu(node, line: str, probe: str, status: Sta
         assert hit.remediation
 
 
+def test_xid_lines_of_the_kernel_log_land_on_their_gpu(node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text("Dec  2 03:12:01 n7 kernel: [ 812.3] NVRM: Xid (PCI:0000:1a:00): 79, pid='<unknown>', "
+                   "name=<unknown>, GPU has fallen off the bus.\n"
+                   "Dec  2 03:12:09 n7 kernel: [ 820.0] NVRM: Xid (PCI:0000:1c:00): 13, pid=4242, Graphics Exception\n")
+    monkeypatch.setenv("MEGATRACE_KERNEL_LOG", str(log))
+    results = node(HEALTHY)
+    xid2, xid4 = by_probe(results, 2)["gpu.xid"], by_probe(results, 4)["gpu.xid"]  # buses 0x1a and 0x1c
+    assert xid2.status == Status.FAIL and xid2.drain_reason().startswith("megatrace: GPU2 XID 79")
+    assert xid4.status == Status.WARN and "XID 13" in xid4.message
+    assert by_probe(results, 0)["gpu.xid"].status == Status.OK
+
+
 def test_a_missing_gpu_fails_the_count(node) -> None:
     results = node(HEALTHY.replace("gpus=8", "gpus=7"))
     count = by_probe(results)["gpu.count"]

@@ -47,10 +47,14 @@ the all-reduce, --level full adds the node x node bandwidth matrix, and task 0 p
 @click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=120.0, show_default=True,
               help="Seconds before a hung check counts as a failure and the command exits 4.")
 @click.option("--node", default=None, help="The node's name in the results [default: SLURMD_NODENAME or hostname].")
+@click.option("--thresholds", "thresholds_path", type=click.Path(dir_okay=False), envvar="MEGATRACE_THRESHOLDS",
+              default=None, help="The site's limits (YAML; see configs/thresholds.yaml) [env MEGATRACE_THRESHOLDS].")
+@click.option("--calibrate", "calibrate_path", type=click.Path(dir_okay=False), default=None,
+              help="On a healthy allocation: write thresholds with the network floor set from what was measured.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line.")
 def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_dir: str | None,
                json_path: str | None, prom_textfile: str | None, timeout_s: float, node: str | None,
-               quiet: bool) -> None:
+               thresholds_path: str | None, calibrate_path: str | None, quiet: bool) -> None:
     """Preflight health checks of GPUs, nodes and the network before a job runs.
 
     GPUs through NVML (count against the allocation, XID-prone states: ECC, row
@@ -62,9 +66,14 @@ def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_d
     """
     from megatrace.check.runner import CheckOptions, Watchdog, node_name, prom_textfile as write_prom, run, table
     from megatrace.check.runner import write_json
+    from megatrace.check.thresholds import ThresholdsError, calibrated, load_thresholds, save_thresholds
 
+    try:
+        limits = load_thresholds(thresholds_path)
+    except ThresholdsError as exc:
+        raise click.ClickException(str(exc)) from None
     opts = CheckOptions(level=level, only=only, expect_gpus=expect_gpus, job_dir=job_dir, timeout_s=timeout_s,
-                        node=node)
+                        node=node, thresholds=limits)
     try:
         with Watchdog(timeout_s, node_name(node)):
             report = run(opts)
@@ -80,6 +89,14 @@ def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_d
             write_json(report, json_path)
         if prom_textfile:
             write_prom(report, prom_textfile)
+        if calibrate_path:
+            busbw = report.value_of("net.allreduce")
+            if busbw is None:
+                click.echo("megatrace-check: --calibrate needs the all-reduce: run under srun/mpiexec", err=True)
+                sys.exit(1)
+            save_thresholds(calibrated(limits, busbw), calibrate_path,
+                            f"calibrated on {len(report.nodes)} nodes, all-reduce bus bandwidth {busbw:.2f} GB/s")
+            click.echo(f"thresholds written to {calibrate_path}")
     except OSError as exc:
         click.echo(f"megatrace-check: cannot write {exc.filename}: {exc.strerror}", err=True)
         sys.exit(1)

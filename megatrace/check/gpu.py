@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,11 @@ from megatrace.check.results import ProbeResult, Status, Subject
 CLOCK_EVENTS_FAIL = {0x8: "HW slowdown", 0x40: "HW thermal slowdown", 0x80: "HW power brake"}
 CLOCK_EVENTS_WARN = {0x20: "SW thermal slowdown", 0x4: "SW power cap"}
 NVML_LIBRARY_NOT_FOUND = "NVML Shared Library Not Found"
+# Xid codes (NVIDIA's Xid catalogue) that mean the GPU must not take a job: DBE (48), page retirement or
+# row-remap failure (63/64), NVLink error (74), fallen off the bus (79), contained/uncontained ECC (94/95),
+# GSP errors (119/120). Others are reported as warnings.
+XID_FAIL = {48, 63, 64, 74, 79, 94, 95, 119, 120}
+XID_LINE = re.compile(r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F:.]+)\): (?P<xid>\d+)(?:, (?P<rest>.*))?")
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,39 @@ class GpuThresholds:
     ecc_sbe_warn: int = 100  # volatile single-bit (corrected) errors since boot
     ecc_dbe_fail: int = 1  # volatile double-bit (uncorrected) errors since boot
     stray_memory_mib: int = 1024  # memory held by processes at job start
+
+
+def parse_xids(text: str) -> list[dict[str, Any]]:
+    """Xid events in kernel log text: ``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., GPU has fallen off the bus.``"""
+    out = []
+    for m in XID_LINE.finditer(text):
+        out.append({"pci": _bus_key(m["pci"]), "xid": int(m["xid"]), "message": (m["rest"] or "").strip()[:200]})
+    return out
+
+
+def _bus_key(pci: str) -> str:
+    """``0000:3b:00`` or ``00000000:3B:00.0`` -> ``3b:00`` (bus and device: how the two notations agree)."""
+    parts = pci.lower().split(".")[0].split(":")
+    return ":".join(parts[-2:])
+
+
+def read_kernel_xids(timeout_s: float = 5.0) -> list[dict[str, Any]] | dict[str, str]:
+    """Xid lines of the kernel log: ``$MEGATRACE_KERNEL_LOG`` (a file, e.g. /var/log/kern.log) or ``dmesg``
+    (root, as in a prolog); an error dict where it is unreadable."""
+    path = os.environ.get("MEGATRACE_KERNEL_LOG")
+    if path:
+        try:
+            with open(path, errors="replace") as fh:
+                return parse_xids(fh.read(64 << 20))
+        except OSError as exc:
+            return {"error": f"{path}: {exc.strerror}"}
+    try:
+        done = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"dmesg: {exc}"}
+    if done.returncode:
+        return {"error": f"dmesg: {(done.stderr.strip() or 'failed').splitlines()[-1]}"}
+    return parse_xids(done.stdout)
 
 
 def read_gpus() -> dict[str, Any]:
@@ -48,7 +87,8 @@ def read_gpus() -> dict[str, Any]:
         return {"error": str(exc)}
     try:
         out: dict[str, Any] = {"driver": _call(pynvml.nvmlSystemGetDriverVersion),
-                               "cuda": _call(pynvml.nvmlSystemGetCudaDriverVersion), "gpus": []}
+                               "cuda": _call(pynvml.nvmlSystemGetCudaDriverVersion), "gpus": [],
+                               "xids": read_kernel_xids()}
         count = _call(pynvml.nvmlDeviceGetCount)
         if isinstance(count, dict):
             out["error"] = count["error"]
@@ -139,9 +179,27 @@ def judge_gpus(facts: dict[str, Any], node: str, expected: int | None,
                                            "the kernel log for XID 79; drain the node."))
     else:
         out.append(ProbeResult("gpu.count", Status.OK, here, f"{len(gpus)} GPUs", value=len(gpus), threshold=expected))
+    xids = facts.get("xids")
     for g in gpus:
         out += _judge_one(node, g, thresholds)
+        if isinstance(xids, list) and isinstance(g.get("pci_bus"), str):
+            out += _judge_xids(node, g, [x for x in xids if x["pci"] == _bus_key(g["pci_bus"])])
     return out
+
+
+def _judge_xids(node: str, g: dict[str, Any], xids: list[dict[str, Any]]) -> list[ProbeResult]:
+    subj = Subject(node, g["index"], g.get("uuid") if isinstance(g.get("uuid"), str) else None, g["pci_bus"])
+    if not xids:
+        return [ProbeResult("gpu.xid", Status.OK, subj, "no Xid in the kernel log")]
+    codes = sorted({x["xid"] for x in xids})
+    bad = [c for c in codes if c in XID_FAIL]
+    last = xids[-1]
+    status = Status.FAIL if bad else Status.WARN
+    shown = bad or codes
+    return [ProbeResult("gpu.xid", status, subj, f"XID {', '.join(map(str, shown))} in the kernel log"
+                        + (f" ({last['message']})" if last["message"] else ""), codes, sorted(XID_FAIL),
+                        "Xids since boot: see `dmesg | grep Xid`; reset the GPU or reboot, and drain the node "
+                        "until it passes again." if bad else "")]
 
 
 def _cuda(v: Any) -> str:

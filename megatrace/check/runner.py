@@ -24,6 +24,7 @@ from typing import Any
 from megatrace.check.gpu import probe_gpus
 from megatrace.check.host import judge_allocation, judge_host, read_host
 from megatrace.check.results import ProbeResult, Status, worst
+from megatrace.check.thresholds import Thresholds
 
 EXIT = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 3, Status.FAIL: 4}  # 1: could not run, 2: bad usage
 LEVELS = ("quick", "full")
@@ -39,6 +40,7 @@ class CheckOptions:
     job_dir: str | None = None
     timeout_s: float = 60.0
     node: str | None = None
+    thresholds: Thresholds = field(default_factory=Thresholds)
 
 
 @dataclass
@@ -49,6 +51,10 @@ class CheckReport:
     matrix: dict[str, Any] | None = None  # {"nodes", "bandwidth_gbps", "latency_us"}
     elapsed_s: float = 0.0
     verdict_code: int | None = None  # on tasks other than 0: the allocation's exit status, from task 0
+
+    def value_of(self, probe: str) -> Any:
+        """The measured value of the first result of ``probe`` (None when there is none)."""
+        return next((r.value for r in self.results if r.probe == probe), None)
 
     @property
     def status(self) -> Status:
@@ -96,8 +102,9 @@ def check_this_node(opts: CheckOptions, node: str) -> tuple[list[ProbeResult], d
     results: list[ProbeResult] = []
     facts = read_host(opts.job_dir)
     if _family("gpu", opts.only):
-        results += probe_gpus(node, expected_gpus(opts.expect_gpus), timeout_s=min(opts.timeout_s / 2, 30.0))
-    results += judge_host(facts, node)
+        results += probe_gpus(node, expected_gpus(opts.expect_gpus), timeout_s=min(opts.timeout_s / 2, 30.0),
+                              thresholds=opts.thresholds.gpu)
+    results += judge_host(facts, node, opts.thresholds.node)
     return [r for r in results if _wanted(r.probe, opts.only)], facts
 
 
@@ -144,12 +151,12 @@ def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport
     if _family("net", opts.only):
         busbw = allreduce_busbw(comm, FULL_BYTES if opts.level == "full" else QUICK_BYTES)
         if comm.Get_rank() == 0:
-            results.append(judge_busbw(busbw, node, comm.Get_size()))
+            results.append(judge_busbw(busbw, node, comm.Get_size(), opts.thresholds.net))
         leaders = comm.Split(0 if leader else 1, nodes.index(node))
         if leader and opts.level == "full" and leaders.Get_size() > 1:
             bw, lat = pair_matrix(leaders, PAIR_BYTES)
             if leaders.Get_rank() == 0:
-                results += judge_matrix(nodes, bw)
+                results += judge_matrix(nodes, bw, opts.thresholds.net)
                 matrix = {"nodes": nodes, "bandwidth_gbps": _rounded(bw), "latency_us": _rounded(lat)}
         leaders.Free()
     gathered = comm.gather((node, leader, results, facts, matrix), root=0)
@@ -165,7 +172,7 @@ def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport
             all_facts[name] = f
         matrix = matrix or m
     if _family("node", opts.only):
-        all_results += [r for r in judge_allocation(all_facts) if _wanted(r.probe, opts.only)]
+        all_results += [r for r in judge_allocation(all_facts, opts.thresholds.node) if _wanted(r.probe, opts.only)]
     report = CheckReport(nodes, all_results, all_facts, matrix, time.perf_counter() - t0)
     comm.bcast(report.exit_code, root=0)
     return report
