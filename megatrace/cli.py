@@ -199,6 +199,11 @@ from megatrace.simulate.command import simulate as _simulate  # noqa: E402  (imp
 
 main.add_command(_simulate)
 
+from megatrace.fleet.command import health as _health, nodes as _nodes  # noqa: E402  (imports only click)
+
+main.add_command(_health)
+main.add_command(_nodes)
+
 
 from megatrace.check.command import check_main  # noqa: E402,F401  (the megatrace-check entry point)
 

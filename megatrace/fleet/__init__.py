@@ -1,0 +1,1 @@
+"""The inspection loop around the jobs: periodic node health checks, their history, and alerts."""

@@ -1,0 +1,175 @@
+"""The inspection loop's parts: the drain/resume decision, the history store, and alerts (levels,
+deduplication, rate limits, delivery to a real webhook receiver on loopback and to a command hook).
+The drain/resume round trip against real Slurm daemons is in tests/test_slurm_health.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from megatrace.check.results import Status
+from megatrace.fleet.alerts import (Alert, AlertConfig, AlertConfigError, LevelRule, deliver, dispatch, level_of,
+                                    load_alert_config)
+from megatrace.fleet.health import NodeState, decide, parse_scontrol_node
+from megatrace.fleet.history import History
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+# -- drain / resume --------------------------------------------------------------------------------------------
+OURS = NodeState("IDLE+DRAIN", "megatrace: GPU2 XID 79 in the kernel log")
+THEIRS = NodeState("IDLE+DRAIN", "bad DIMM, ticket 4711")
+UP = NodeState("IDLE", "")
+
+
+@pytest.mark.parametrize("status, state, recent, expected", [
+    (Status.FAIL, UP, ["fail"], "drain"),
+    (Status.FAIL, OURS, ["fail", "fail"], None),  # already drained
+    (Status.OK, OURS, ["ok", "ok", "ok"], "resume"),
+    (Status.WARN, OURS, ["warn", "ok", "ok"], "resume"),  # warnings do not keep a node out
+    (Status.OK, OURS, ["ok", "ok", "fail"], None),  # not yet 3 passes in a row
+    (Status.OK, OURS, ["ok", "ok"], None),
+    (Status.OK, THEIRS, ["ok", "ok", "ok", "ok"], None),  # drained by someone else: never resumed
+    (Status.OK, UP, ["ok"], None),
+    (Status.FAIL, None, ["fail"], None),  # no Slurm to ask
+])
+def test_drain_and_resume_decisions(status, state, recent, expected) -> None:
+    assert decide(status, state, recent, resume_after=3) == expected
+
+
+def test_scontrol_lines_are_parsed() -> None:
+    line = ("NodeName=n2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 State=IDLE+DRAIN ThreadsPerCore=1 "
+            "Partitions=lab BootTime=None Reason=megatrace: GPU1 XID 79 [root@2026-12-02T03:04:05]")
+    st = parse_scontrol_node(line)
+    assert st == NodeState("IDLE+DRAIN", "megatrace: GPU1 XID 79") and st.drained and st.ours
+    assert parse_scontrol_node("NodeName=n1 State=MIXED Partitions=lab") == NodeState("MIXED", "")
+
+
+# -- history ---------------------------------------------------------------------------------------------------
+def test_history_summary_puts_flaky_nodes_first(tmp_path: Path) -> None:
+    with History(tmp_path / "h.db") as h:
+        for i, s in enumerate(["ok", "fail", "ok", "fail", "fail", "ok"]):
+            h.record_check("n7", s, "gpu.ecc", "2 uncorrected ECC errors" if s == "fail" else None, t=100.0 + i)
+        for i in range(4):
+            h.record_check("n1", "ok", t=100.0 + i)
+        h.record_check("n3", "warn", "gpu.pcie", "PCIe link x8 of x16", t=200.0)
+        rows = h.summary(window=10)
+        assert [r.node for r in rows] == ["n7", "n3", "n1"]
+        assert rows[0].stands_out and rows[0].failed == 3 and rows[0].last_status == "ok"
+        assert rows[0].last_problem == "2 uncorrected ECC errors"
+        assert h.recent_statuses("n7", 3) == ["ok", "fail", "fail"]
+
+
+# -- alerts ----------------------------------------------------------------------------------------------------
+def test_levels_follow_the_first_matching_rule() -> None:
+    cfg = AlertConfig()
+    assert level_of(Alert("n1", "gpu.xid", "fail", ""), cfg) == "P0"
+    assert level_of(Alert("n1", "gpu.ecc", "fail", ""), cfg) == "P1"
+    assert level_of(Alert("n1", "node.shm", "fail", ""), cfg) == "P2"
+    assert level_of(Alert("n1", "gpu.pcie", "warn", ""), cfg) == "P3"
+    assert level_of(Alert("n1", "compute-hang", "critical", ""), cfg) == "P0"
+    assert level_of(Alert("n1", "gpu.ecc", "ok", ""), cfg) is None
+
+
+def test_deduplication_rate_limit_and_recurrence(tmp_path: Path) -> None:
+    cfg = AlertConfig(dedupe_window_s=600, max_per_hour=3)
+    with History(tmp_path / "h.db") as h:
+        first = dispatch([Alert("n1", "gpu.ecc", "fail", "2 uncorrected ECC errors")], cfg, h, now=1000.0)
+        assert len(first.sent) == 1 and first.sent[0].level == "P1"
+        again = dispatch([Alert("n1", "gpu.ecc", "fail", "2 uncorrected ECC errors")] * 3, cfg, h, now=1100.0)
+        assert not again.sent and len(again.suppressed) == 3  # within the window
+        low = dispatch([Alert("n1", "gpu.pcie", "warn", "x8")], cfg, h, now=1100.0)
+        assert not low.sent  # P3: recorded only
+        later = dispatch([Alert("n1", "gpu.ecc", "fail", "2 uncorrected ECC errors")], cfg, h, now=1700.0)
+        assert len(later.sent) == 1 and later.sent[0].recurrences == 3
+        assert "recurred 3 times" in later.sent[0].payload()["text"]
+        burst = dispatch([Alert(f"n{i}", "gpu.xid", "fail", "XID 79") for i in range(2, 8)], cfg, h, now=1800.0)
+        assert len(burst.sent) == 1 and len(burst.suppressed) == 5  # 2 already sent this hour; cap 3
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    got: list[dict] = []
+    delay = 0.0
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        time.sleep(self.delay)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).got.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver():
+    class Handler(_Receiver):
+        got: list[dict] = []
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", Handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_exactly_one_alert_reaches_the_webhook(tmp_path: Path, receiver) -> None:
+    url, handler = receiver
+    cfg = AlertConfig(webhook_url=url)
+    with History(tmp_path / "h.db") as h:
+        for now in (1000.0, 1060.0, 1120.0):  # three health checks in a row see the same failure
+            out = dispatch([Alert("n2", "gpu.xid", "fail", "XID 79 in the kernel log")], cfg, h, now=now)
+            assert not out.errors, out.errors
+    assert len(handler.got) == 1
+    assert handler.got[0]["text"] == "[P0] n2: XID 79 in the kernel log" and handler.got[0]["key"] == "n2:gpu.xid"
+
+
+def test_a_receiver_that_is_down_or_hangs_costs_at_most_the_timeout(receiver) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/"
+    t = time.monotonic()
+    errors = deliver(Alert("n1", "gpu.xid", "fail", "x", level="P0"), AlertConfig(webhook_url=closed, timeout_s=2))
+    assert errors and "webhook" in errors[0] and time.monotonic() - t < 3
+    url, handler = receiver
+    handler.delay = 10.0
+    t = time.monotonic()
+    errors = deliver(Alert("n1", "gpu.xid", "fail", "x", level="P0"), AlertConfig(webhook_url=url, timeout_s=1))
+    assert errors and time.monotonic() - t < 4
+
+
+def test_the_command_hook_gets_the_alert_on_stdin(tmp_path: Path) -> None:
+    out = tmp_path / "got.json"
+    script = tmp_path / "hook.py"
+    script.write_text(f"import sys; open({str(out)!r}, 'w').write(sys.stdin.read())\n")
+    errors = deliver(Alert("n4", "node.ib", "fail", "port mlx5_1/1 is 1: DOWN", level="P2"),
+                     AlertConfig(command=(sys.executable, str(script))))
+    assert not errors
+    assert json.loads(out.read_text())["text"] == "[P2] n4: port mlx5_1/1 is 1: DOWN"
+    bad = deliver(Alert("n4", "x", "fail", "y", level="P2"), AlertConfig(command=(sys.executable, "-c", "exit(3)")))
+    assert bad and "exit 3" in bad[0]
+
+
+def test_alert_files_are_strict(tmp_path: Path) -> None:
+    assert load_alert_config(CONFIGS / "alerts.yaml") == AlertConfig()  # the shipped file is the defaults
+    path = tmp_path / "a.yaml"
+    for text, words in [("webhok: {url: http://x}\n", "webhok: unknown setting"),
+                        ("webhook: {url: ftp://x}\n", "webhook.url: expected an http"),
+                        ("levels: [{match: '*', when: fail, level: P9}]\n", r"levels\[0\]\.level"),
+                        ("command: 'rm -rf /'\n", "command: expected a list")]:
+        path.write_text(text)
+        with pytest.raises(AlertConfigError, match=words) as info:
+            load_alert_config(path)
+        assert str(path) in str(info.value)
+    path.write_text("levels: [{match: 'gpu.*', when: warn, level: P1}]\nmin_level: P1\n")
+    cfg = load_alert_config(path)
+    assert cfg.rules == (LevelRule("gpu.*", "warn", "P1"),) and cfg.min_level == "P1"
