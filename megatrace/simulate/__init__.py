@@ -134,9 +134,12 @@ def _write_rings(layout: Layout, classes: Classes, opts: SimOptions, rings: Path
     hosts = (layout.world_size + opts.gpus_per_node - 1) // opts.gpus_per_node
     skew = random.Random(opts.seed).choices(range(-int(opts.skew_ms * 1000), int(opts.skew_ms * 1000) + 1), k=hosts)
     gids = {kind: np.zeros(layout.world_size, np.int64) for kind in GID_BASE}
+    members_of: dict[str, list[list[int]]] = {kind: [[]] * layout.world_size for kind in GID_BASE}
     for kind in GID_BASE:
         for members in getattr(layout, f"{kind}_groups")():
             gids[kind][members] = GID_BASE[kind] + members[0]
+            for r in members:
+                members_of[kind][r] = members
     total, last_report = 0, time.perf_counter()
     writes: deque[Future] = deque()
     with ThreadPoolExecutor(WRITERS) as pool:
@@ -162,7 +165,7 @@ def _write_rings(layout: Layout, classes: Classes, opts: SimOptions, rings: Path
             head = RingHead(rank, layout.world_size, rank % opts.gpus_per_node, f"node{host:05d}", 100_000 + rank,
                             skew_ns=skew[host] * 1000)
             groups = [{"gid": int(gids[k][rank]), "name": f"{k}{int(gids[k][rank]) - GID_BASE[k]}", "desc": k,
-                       "ranks": layout.group_of(k, rank)} for k in GID_BASE]
+                       "ranks": members_of[k][rank]} for k in GID_BASE]
             writes.append(pool.submit(_write_rank, rings, head, recs, groups))
             if len(writes) > 4 * WRITERS:  # bound what waits in memory
                 writes.popleft().result()
