@@ -30,6 +30,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/tracer_overhead.py
 	$(BIN)/python bench/analysis_scale.py
+	$(BIN)/python bench/simulate_speed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis megatrace-demo-*
