@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -40,6 +42,12 @@ def test_run_requires_a_command(runner: CliRunner) -> None:
     assert result.exit_code == 2 and "Missing argument" in result.output
 
 
-def test_megatrace_check_never_reports_success_without_checking(runner: CliRunner) -> None:
-    result = runner.invoke(check_main, [])
-    assert result.exit_code == 2 and "nothing was checked" in result.output
+def test_megatrace_check_reports_what_it_checked(runner: CliRunner, tmp_path) -> None:
+    limits = tmp_path / "limits.yaml"
+    limits.write_text("node: {min_free_shm_mib: 0, min_free_job_mib: 0}\n")  # a container's /dev/shm is small
+    result = runner.invoke(check_main, ["--only", "node", "--thresholds", str(limits), "--node", "n1",
+                                        "--json", str(tmp_path / "c.json")])
+    assert result.exit_code == 0, result.output
+    verdict = result.output.splitlines()[-1]
+    assert verdict.startswith("verdict: ok (1 node(s), ") and " 0 checks" not in verdict
+    assert json.loads((tmp_path / "c.json").read_text())["results"]

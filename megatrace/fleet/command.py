@@ -14,6 +14,11 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, epilog="""\b
+Examples:
+  megatrace health --node n7 --expect-gpus 8
+  megatrace health --no-act --alerts configs/alerts.yaml      # check and alert, never drain
+
+\b
 In slurm.conf (slurmd runs it as root on every node):
   HealthCheckProgram=/usr/local/bin/megatrace-health    # a wrapper: exec megatrace health "$@"
   HealthCheckInterval=300
@@ -76,7 +81,11 @@ def health(node: str | None, expect_gpus: int | None, resume_after: int, history
     sys.exit(4 if status == "fail" else 0)
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
+@click.command(context_settings=CONTEXT_SETTINGS, epilog="""\b
+Examples:
+  megatrace nodes
+  megatrace nodes --history /shared/megatrace/history.db --window 20
+""")
 @click.option("--history", "history_path", type=click.Path(dir_okay=False), envvar="MEGATRACE_HISTORY",
               default=None, help="The history store [default: /var/lib/megatrace/history.db].")
 @click.option("--window", type=click.IntRange(1), default=10, show_default=True, help="Checks per node to count.")
