@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrace import __version__
+from megatrace.files import write_atomic
 
 SCHEMA = "megatrace.findings"
 SCHEMA_VERSION = 1
@@ -139,11 +140,7 @@ def findings_document(findings: list[Finding], trace: dict[str, Any],
 
 def write_findings_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
     """Write ``document`` atomically (temporary file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(document, indent=2, ensure_ascii=False, default=_plain) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(document, indent=2, ensure_ascii=False, default=_plain) + "\n")
 
 
 def _plain(value: Any) -> Any:

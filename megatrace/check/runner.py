@@ -18,13 +18,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from megatrace.check.gpu import probe_gpus
 from megatrace.check.host import judge_allocation, judge_host, read_host
 from megatrace.check.results import ProbeResult, Status, worst
 from megatrace.check.thresholds import Thresholds
+from megatrace.files import write_atomic
 
 EXIT = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 3, Status.FAIL: 4}  # 1: could not run, 2: bad usage
 LEVELS = ("quick", "full")
@@ -230,9 +230,7 @@ def prom_textfile(report: CheckReport, path: str | os.PathLike[str]) -> None:
     for r in report.results:
         gpu = f',gpu="{r.subject.gpu}"' if r.subject.gpu is not None else ""
         lines.append(f'megatrace_check_status{{node="{_esc(r.subject.node)}",probe="{r.probe}"{gpu}}} {level[r.status]}')
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)  # node-exporter must never read half a file
+    write_atomic(path, "\n".join(lines) + "\n")  # node-exporter must never read half a file
 
 
 def _esc(text: str) -> str:
@@ -240,4 +238,4 @@ def _esc(text: str) -> str:
 
 
 def write_json(report: CheckReport, path: str | os.PathLike[str]) -> None:
-    Path(path).write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
+    write_atomic(path, json.dumps(report.to_dict(), indent=1, default=str) + "\n")

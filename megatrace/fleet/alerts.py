@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from megatrace.files import write_atomic
 from megatrace.fleet.history import History
 
 LEVELS = ("P0", "P1", "P2", "P3")  # P0 most urgent
@@ -208,6 +209,4 @@ def _prom(history: History, path: str, now: float) -> None:
     for level, sent, suppressed in rows:
         lines.append(f'megatrace_alerts_24h{{level="{level}",outcome="sent"}} {int(sent)}')
         lines.append(f'megatrace_alerts_24h{{level="{level}",outcome="suppressed"}} {int(suppressed)}')
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
+    write_atomic(path, "\n".join(lines) + "\n")
