@@ -27,7 +27,9 @@ Exit status (exact; a prolog drains the node on 4):
   1  the checks could not run
 \b
 Probes: gpu.{nvml,count,driver,temperature,clocks,ecc,remap,power,pcie,memory,mig,persistence},
-node.{shm,job_dir,ib,cpus,mem_bytes,kernel,versions,clock}, net.{allreduce,node,link,matrix,pair}.
+node.{injected,tracer,shm,job_dir,ring_dir,ib,cpus,mem_bytes,kernel,versions,clock},
+net.{allreduce,node,link,matrix,pair}. A root-owned /etc/megatrace/fail-preflight-NODE fails
+node.injected with its text (drills and tests; MEGATRACE_SITE_DIR moves /etc/megatrace).
 Under srun/mpiexec the first task of each node checks the node and its GPUs, every task joins
 the all-reduce, --level full adds the node x node bandwidth matrix, and task 0 prints one table.
 """)
@@ -40,6 +42,8 @@ the all-reduce, --level full adds the node x node bandwidth matrix, and task 0 p
               help="GPUs this node must have [default: SLURM_GPUS_ON_NODE, else CUDA_VISIBLE_DEVICES].")
 @click.option("--job-dir", type=click.Path(file_okay=False), default=None,
               help="Also check free space there (the job directory).")
+@click.option("--ring-dir", type=click.Path(file_okay=False), default=None,
+              help="Also check free space for the node-local rings there (or its nearest existing parent).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every result (and the bandwidth matrix) as JSON.")
 @click.option("--prom-textfile", type=click.Path(dir_okay=False), default=None,
@@ -52,7 +56,7 @@ the all-reduce, --level full adds the node x node bandwidth matrix, and task 0 p
 @click.option("--calibrate", "calibrate_path", type=click.Path(dir_okay=False), default=None,
               help="On a healthy allocation: write thresholds with the network floor set from what was measured.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line.")
-def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_dir: str | None,
+def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_dir: str | None, ring_dir: str | None,
                json_path: str | None, prom_textfile: str | None, timeout_s: float, node: str | None,
                thresholds_path: str | None, calibrate_path: str | None, quiet: bool) -> None:
     """Preflight health checks of GPUs, nodes and the network before a job runs.
@@ -72,7 +76,8 @@ def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_d
         limits = load_thresholds(thresholds_path)
     except ThresholdsError as exc:
         raise click.ClickException(str(exc)) from None
-    opts = CheckOptions(level=level, only=only, expect_gpus=expect_gpus, job_dir=job_dir, timeout_s=timeout_s,
+    opts = CheckOptions(level=level, only=only, expect_gpus=expect_gpus, job_dir=job_dir, ring_dir=ring_dir,
+                        timeout_s=timeout_s,
                         node=node, thresholds=limits)
     try:
         with Watchdog(timeout_s, node_name(node)):

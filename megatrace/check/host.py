@@ -2,7 +2,9 @@
 
 :func:`read_host` gathers plain facts (kernel, CPUs, memory, free space where
 the rings and the job directory go, InfiniBand/RoCE ports from sysfs, library
-versions, the wall clock); :func:`judge_host` checks one node alone, and
+versions, the wall clock, whether the tracer imports, and a failure the site
+injected for drills: a root-owned ``/etc/megatrace/fail-preflight-<node>``);
+:func:`judge_host` checks one node alone, and
 :func:`judge_allocation` compares the nodes of one allocation with each other
 (a node with fewer CPUs, less memory, other versions or a clock far from the
 rest slows or breaks the whole job).
@@ -13,7 +15,9 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import stat
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,35 +26,86 @@ from typing import Any
 from megatrace.check.results import ProbeResult, Status, Subject
 
 IB_ROOT = Path("/sys/class/infiniband")
+SITE_DIR = Path("/etc/megatrace")  # root-owned site files: fail-preflight-<node> injects a failure (drills, tests)
 
 
 @dataclass(frozen=True)
 class HostThresholds:
     min_free_shm_mib: int = 1024  # /dev/shm: NCCL and the rings live there
     min_free_job_mib: int = 1024  # the job directory: traces and reports
+    min_free_ring_mib: int = 64  # the node-local ring directory: 4 MiB per rank at the default ring size
     cpu_ratio_warn: float = 0.75  # fewer CPUs than this share of the allocation's median
     mem_ratio_warn: float = 0.75
     clock_offset_warn_ms: float = 50.0  # wall clocks this far from the allocation's median
     clock_offset_fail_ms: float = 1000.0
 
 
-def read_host(job_dir: str | None = None) -> dict[str, Any]:
+def read_host(job_dir: str | None = None, ring_dir: str | None = None, node: str | None = None,
+              site_dir: Path | None = None) -> dict[str, Any]:
     """This node's facts as plain data."""
     facts: dict[str, Any] = {"kernel": platform.release(), "cpus": len(os.sched_getaffinity(0)),
                              "cpus_online": os.cpu_count(), "wall_ns": time.time_ns()}
+    if node:
+        facts["injected"] = read_injected(node, site_dir)
+    facts["tracer"] = _tracer_import_error()
     try:
         facts["mem_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         facts["mem_bytes"] = None
-    for name, path in (("shm", "/dev/shm"), ("job_dir", job_dir)):
+    for name, path in (("shm", "/dev/shm"), ("job_dir", job_dir), ("ring_dir", ring_dir)):
         if path:
+            probe = Path(path)
+            if name == "ring_dir":  # created per job later: its nearest existing parent holds the space
+                while not probe.exists() and probe != probe.parent:
+                    probe = probe.parent
             try:
-                facts[f"{name}_free"] = shutil.disk_usage(path).free
+                facts[f"{name}_free"] = shutil.disk_usage(probe).free
             except OSError as exc:
                 facts[f"{name}_free"] = {"error": f"{path}: {exc.strerror}"}
     facts["ib_ports"] = read_ib_ports()
     facts["versions"] = _versions()
     return facts
+
+
+def _root_owned(path: Path) -> bool:
+    """Owned by root all the way up, and no component replaceable by others: a file users cannot plant.
+
+    A directory others may write is accepted only with the sticky bit (like /tmp): there,
+    nobody but root can rename or remove root's entries.
+    """
+    for p in [path, *path.parents]:
+        st = os.lstat(p)
+        if st.st_uid != 0:
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if writable_by_others and (p == path or not st.st_mode & stat.S_ISVTX):
+            return False
+    return True
+
+
+def read_injected(node: str, site_dir: Path | None = None) -> dict[str, str] | None:
+    """The site's injected failure for ``node``: {"text", "path"}, {"ignored", "path"} when others could have
+    written it, or None."""
+    path = (site_dir or Path(os.environ.get("MEGATRACE_SITE_DIR") or SITE_DIR)) / f"fail-preflight-{node}"
+    try:
+        if not path.exists():
+            return None
+        if not _root_owned(path):
+            return {"ignored": "not root-owned, or in a directory others may write", "path": str(path)}
+        text = " ".join(path.read_text(errors="replace").split())[:120] or "injected failure"
+    except OSError as exc:
+        return {"ignored": f"unreadable: {exc.strerror}", "path": str(path)}
+    return {"text": text, "path": str(path)}
+
+
+def _tracer_import_error() -> str | None:
+    try:
+        from megatrace.trace import ring_writer  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (any import failure is the finding)
+        return f"megatrace.trace does not import in {sys.executable}: {exc!r}"
+    return None
 
 
 def read_ib_ports(root: Path = IB_ROOT) -> list[dict[str, Any]]:
@@ -99,8 +154,24 @@ def judge_host(facts: dict[str, Any], node: str, t: HostThresholds = HostThresho
     """Checks of one node on its own: free space and its network ports."""
     here = Subject(node)
     res = []
+    injected = facts.get("injected")
+    if injected and "text" in injected:
+        res.append(ProbeResult("node.injected", Status.FAIL, here, f"{injected['text']} ({injected['path']})",
+                               remediation="A failure injected by the site (a drill or a test): remove the file "
+                                           "to return the node."))
+    elif injected:
+        res.append(ProbeResult("node.injected", Status.WARN, here, f"ignored {injected['path']}: "
+                               f"{injected['ignored']}", remediation="Remove the file: only root may inject."))
+    elif "injected" in facts:
+        res.append(ProbeResult("node.injected", Status.OK, here, "no injected failure"))
+    if facts.get("tracer"):
+        res.append(ProbeResult("node.tracer", Status.FAIL, here, facts["tracer"],
+                               remediation="Install megatrace into the Python the jobs use."))
+    elif "tracer" in facts:
+        res.append(ProbeResult("node.tracer", Status.OK, here, f"the tracer imports in {sys.executable}"))
     for name, label, floor in (("shm", "/dev/shm", t.min_free_shm_mib), ("job_dir", "the job directory",
-                                                                         t.min_free_job_mib)):
+                                                                         t.min_free_job_mib),
+                               ("ring_dir", "the ring directory", t.min_free_ring_mib)):
         free = facts.get(f"{name}_free")
         if free is None:
             continue

@@ -38,6 +38,7 @@ class CheckOptions:
     only: tuple[str, ...] = ()  # probe name prefixes ("gpu", "node", "net", "gpu.ecc", ...)
     expect_gpus: int | None = None
     job_dir: str | None = None
+    ring_dir: str | None = None  # the node-local ring directory (its free space)
     timeout_s: float = 60.0
     node: str | None = None
     thresholds: Thresholds = field(default_factory=Thresholds)
@@ -100,7 +101,7 @@ def _family(family: str, only: tuple[str, ...]) -> bool:
 def check_this_node(opts: CheckOptions, node: str) -> tuple[list[ProbeResult], dict[str, Any]]:
     """The node's own checks: GPUs (in a child under a timeout) and the host."""
     results: list[ProbeResult] = []
-    facts = read_host(opts.job_dir)
+    facts = read_host(opts.job_dir, opts.ring_dir, node)
     if _family("gpu", opts.only):
         results += probe_gpus(node, expected_gpus(opts.expect_gpus), timeout_s=min(opts.timeout_s / 2, 30.0),
                               thresholds=opts.thresholds.gpu)
