@@ -34,7 +34,7 @@ CASES = {
 def test_the_top_finding_names_the_injected_rank_and_class(tmp_path: Path, case: str) -> None:
     spec, (tp, pp, dp), kind = CASES[case]
     out = tmp_path / case
-    run_local(DemoOptions(tp=tp, pp=pp, dp=dp, steps=4, faults=(spec,), out=out, stall_s=2.0, crash_grace_s=2.0),
+    run_local(DemoOptions(tp=tp, pp=pp, dp=dp, steps=4, faults=(spec,), out=out, stall_s=4.0, crash_grace_s=2.0),
               log=lambda msg: None)
     (fault,) = json.loads((out / "fault.json").read_text())["faults"]
     result = analyze(out)
