@@ -7,7 +7,7 @@ STAMP := $(VENV)/.megatrace-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean lab-demo lab-down
 
 install: $(STAMP)
 
@@ -23,6 +23,14 @@ demo: $(STAMP)
 	$(BIN)/megatrace demo --ranks 8 --tp 2 --pp 2 --dp 2 --steps 20 \
 		--fault hang:rank=5,step=3 -o megatrace-demo-hang
 	$(BIN)/megatrace analyze megatrace-demo-hang
+
+# The same demo under Slurm (root): the local lab (4 virtual nodes), sbatch --megatrace,
+# srun -N4 -n8, the analysis and the report's path. `make lab-down` stops the lab.
+lab-demo: $(STAMP)
+	$(BIN)/megatrace lab demo --nodes 4 --ranks 8 --fault hang:rank=5,step=3 -C megatrace-demo-slurm
+
+lab-down: $(STAMP)
+	$(BIN)/megatrace lab down
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -3,10 +3,15 @@
 Uses the system C compiler and Python's own headers. If either is missing the
 build goes on without it and the tracer runs its pure-Python writer (slower,
 same bytes); set MEGATRACE_REQUIRE_NATIVE=1 to make that an error instead.
+
+It also compiles the NCCL interposer, megatrace/trace/nccl/libmegatrace_nccl.so (plain C, no
+Python or NCCL headers; megatrace/trace/nccl/build.py has the one compiler command). Without it
+only the LD_PRELOAD tracing of NCCL is missing; MEGATRACE_REQUIRE_NATIVE=1 makes that an error too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -17,6 +22,7 @@ from pathlib import Path
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 SOURCE = Path("megatrace/trace/native/_ringfast.c")
+NCCL_BUILD = Path("megatrace/trace/nccl/build.py")
 
 
 def compile_ringfast(root: Path) -> Path | None:
@@ -36,8 +42,18 @@ def compile_ringfast(root: Path) -> Path | None:
     return target
 
 
+def compile_nccl_interposer(root: Path) -> tuple[Path, str | None]:
+    """Compile libmegatrace_nccl.so in place; return (its path, None) or (path, why it failed)."""
+    spec = importlib.util.spec_from_file_location("_megatrace_nccl_build", root / NCCL_BUILD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # stdlib only: the package itself is not importable here
+    target = root / NCCL_BUILD.parent / module.LIBRARY
+    return target, module.compile_interposer(target, root / NCCL_BUILD.parent)
+
+
 class CustomBuildHook(BuildHookInterface):
     def initialize(self, version: str, build_data: dict) -> None:
+        self._nccl_interposer(version, build_data)
         built = compile_ringfast(Path(self.root))
         if built is None:
             message = ("megatrace: the C ring writer was not built (no C compiler or Python headers); "
@@ -50,3 +66,16 @@ class CustomBuildHook(BuildHookInterface):
         build_data["infer_tag"] = True
         if version != "editable":
             build_data["force_include"][str(built)] = f"megatrace/trace/{built.name}"
+
+    def _nccl_interposer(self, version: str, build_data: dict) -> None:
+        target, failure = compile_nccl_interposer(Path(self.root))
+        if failure is not None:
+            message = f"megatrace: the NCCL interposer ({target.name}) was not built: {failure}"
+            if os.environ.get("MEGATRACE_REQUIRE_NATIVE") == "1":
+                raise RuntimeError(message)
+            sys.stderr.write(message + "\n")
+            return
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+        if version != "editable":
+            build_data["force_include"][str(target)] = f"megatrace/trace/nccl/{target.name}"

@@ -12,6 +12,7 @@ import sys
 import click
 
 from megatrace import __version__
+from megatrace.config import ORDERS
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -79,6 +80,9 @@ Examples:
 @click.option("--tp", type=click.IntRange(1), default=2, show_default=True, help="Tensor-parallel size.")
 @click.option("--pp", type=click.IntRange(1), default=2, show_default=True, help="Pipeline-parallel size.")
 @click.option("--dp", type=click.IntRange(1), default=None, help="Data-parallel size [default: ranks/(tp*pp)].")
+@click.option("--order", type=click.Choice(ORDERS),
+              default="tp-dp-pp", show_default=True,
+              help="Rank order, fastest-varying dimension first (tp-dp-pp is Megatron-LM's default).")
 @click.option("--steps", type=click.IntRange(1), default=20, show_default=True, help="Training steps.")
 @click.option("--microbatches", type=click.IntRange(1), default=4, show_default=True,
               help="Microbatches per step (1F1B pipeline schedule).")
@@ -95,7 +99,7 @@ Examples:
               help="Kill every rank after this many seconds without progress.")
 @click.option("--deadline", type=click.FloatRange(1), default=None,
               help="Kill every rank after this many seconds [default: 60 + 2 per step].")
-def demo(ranks: int | None, tp: int, pp: int, dp: int | None, steps: int, microbatches: int,
+def demo(ranks: int | None, tp: int, pp: int, dp: int | None, order: str, steps: int, microbatches: int,
          faults: tuple[str, ...], out: str | None, no_trace: bool, markers: bool, compute_ms: float,
          dp_mode: str, stall_timeout: float, deadline: float | None) -> None:
     """Run the built-in 3D-parallel training job on this host, optionally with injected faults.
@@ -117,7 +121,7 @@ def demo(ranks: int | None, tp: int, pp: int, dp: int | None, steps: int, microb
         dp = world // (tp * pp)
     elif ranks is not None and ranks != tp * pp * dp:
         raise click.BadParameter(f"{ranks} != tp*pp*dp = {tp}*{pp}*{dp}", param_hint="--ranks")
-    opts = DemoOptions(tp=tp, pp=pp, dp=dp, steps=steps, microbatches=microbatches, faults=faults,
+    opts = DemoOptions(tp=tp, pp=pp, dp=dp, order=order, steps=steps, microbatches=microbatches, faults=faults,
                        out=Path(out) if out else default_out_dir(), trace=not no_trace, markers=markers,
                        compute_ms=compute_ms, dp_mode=dp_mode, stall_s=stall_timeout, deadline_s=deadline)
     try:
@@ -206,6 +210,16 @@ main.add_command(_nodes)
 
 
 from megatrace.check.command import check_main  # noqa: E402,F401  (the megatrace-check entry point)
+
+
+from megatrace.lab.cli import lab as _lab  # noqa: E402  (imports only click; commands import lazily)
+
+main.add_command(_lab)
+
+from megatrace.collect.cli import agent as _agent, collect as _collect  # noqa: E402  (imports click only)
+
+main.add_command(_collect)
+main.add_command(_agent)
 
 
 if __name__ == "__main__":  # pragma: no cover

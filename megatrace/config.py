@@ -8,7 +8,11 @@ with strict keys, so a typo is an error that names the file and the key.
 Rank orders (the first named dimension varies fastest):
 
 * ``tp-dp-pp`` (Megatron-LM's default): ``rank = tp + TP * (dp + DP * pp)``
-* ``tp-pp-dp``: ``rank = tp + TP * (pp + PP * dp)``
+* ``tp-pp-dp`` (Megatron-LM's ``--use-tp-pp-dp-mapping``): ``rank = tp + TP * (pp + PP * dp)``
+* any other permutation of the three (e.g. ``dp-tp-pp``), read the same way
+
+The job's other facts (batch sizes, features, sources) live in
+:mod:`megatrace.jobconfig` and its ``job.yaml``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-ORDERS = ("tp-dp-pp", "tp-pp-dp")
+ORDERS = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
 SCHEDULES = ("1f1b", "gpipe")
 GROUP_KINDS = ("tp", "pp", "dp")
 
@@ -83,6 +87,14 @@ class Layout:
                 raise LayoutError(f"{where}ranks: rank {rank} has no host/local_rank placement")
         return self
 
+    def strides(self) -> dict[str, int]:
+        """Rank distance between neighbours along each dimension ({"tp": 1, "dp": TP, "pp": TP*DP} by default)."""
+        out, stride = {}, 1
+        for name in self.order.split("-"):
+            out[name] = stride
+            stride *= getattr(self, name)
+        return out
+
     def coords(self, rank: int) -> RankCoords:
         """The (pp, dp, tp) coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
@@ -90,7 +102,10 @@ class Layout:
         tp, rest = rank % self.tp, rank // self.tp
         if self.order == "tp-dp-pp":
             return RankCoords(pp=rest // self.dp, dp=rest % self.dp, tp=tp)
-        return RankCoords(pp=rest % self.pp, dp=rest // self.pp, tp=tp)
+        if self.order == "tp-pp-dp":
+            return RankCoords(pp=rest % self.pp, dp=rest // self.pp, tp=tp)
+        s = self.strides()
+        return RankCoords(pp=rank // s["pp"] % self.pp, dp=rank // s["dp"] % self.dp, tp=rank // s["tp"] % self.tp)
 
     def rank_of(self, pp: int, dp: int, tp: int) -> int:
         """The global rank at coordinates (pp, dp, tp)."""
@@ -99,7 +114,10 @@ class Layout:
                 raise LayoutError(f"{name} index {value} is outside 0..{size - 1}")
         if self.order == "tp-dp-pp":
             return tp + self.tp * (dp + self.dp * pp)
-        return tp + self.tp * (pp + self.pp * dp)
+        if self.order == "tp-pp-dp":
+            return tp + self.tp * (pp + self.pp * dp)
+        s = self.strides()
+        return tp * s["tp"] + dp * s["dp"] + pp * s["pp"]
 
     def _groups(self, kind: str) -> list[list[int]]:
         sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
@@ -168,15 +186,19 @@ def layout_from_dict(data: Any, source: str = "<dict>") -> Layout:
     return Layout(**fields, ranks=ranks).validate(source)
 
 
+def read_yaml(path: str | Path, error: type[Exception] = LayoutError, what: str = "layout") -> Any:
+    """The parsed content of a YAML file; an unreadable file or bad YAML raises ``error`` naming the file."""
+    try:
+        return yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {exc}") from None
+
+
 def load_layout(path: str | Path) -> Layout:
     """Read ``layout.yaml``; errors name the file and the bad key or field."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise LayoutError(f"{path}: cannot read layout: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise LayoutError(f"{path}: not valid YAML: {exc}") from None
-    return layout_from_dict(data, str(path))
+    return layout_from_dict(read_yaml(path), str(path))
 
 
 def save_layout(layout: Layout, path: str | Path) -> None:

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatrace.config import Layout, LayoutError, RankPlacement, load_layout, save_layout
+from megatrace.config import ORDERS, Layout, LayoutError, RankPlacement, load_layout, save_layout
 
 layouts = st.builds(lambda tp, pp, dp, order: Layout(tp * pp * dp, tp, pp, dp, order=order),
-                    st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.sampled_from(["tp-dp-pp", "tp-pp-dp"]))
+                    st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.sampled_from(ORDERS))
 
 
 def test_megatron_default_order() -> None:
@@ -24,6 +24,15 @@ def test_megatron_default_order() -> None:
     assert layout.rank_of(pp=1, dp=1, tp=0) == 6
     assert layout.group_of("tp", 5) == [4, 5]
     assert layout.group_of("pp", 5) == [1, 5]
+
+
+def test_any_permutation_is_an_order_read_fastest_first() -> None:
+    layout = Layout(world_size=12, tp=2, pp=2, dp=3, order="dp-tp-pp")
+    assert layout.strides() == {"dp": 1, "tp": 3, "pp": 6}
+    assert layout.dp_groups() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert layout.tp_groups() == [[0, 3], [1, 4], [2, 5], [6, 9], [7, 10], [8, 11]]
+    assert layout.coords(10) == (1, 1, 1)  # (pp, dp, tp)
+    assert layout.rank_of(pp=1, dp=1, tp=1) == 10
 
 
 def test_tp_pp_dp_order() -> None:
@@ -52,7 +61,8 @@ def test_groups_partition_the_world(layout: Layout) -> None:
     (dict(world_size=8, tp=2, pp=2, dp=3), "world_size"),
     (dict(world_size=0, tp=0, pp=1, dp=1), "world_size"),
     (dict(world_size=4, tp=2, pp=2, dp=-1), "dp"),
-    (dict(world_size=4, tp=2, pp=2, dp=1, order="pp-dp-tp"), "order"),
+    (dict(world_size=4, tp=2, pp=2, dp=1, order="pp-dp-cp"), "order"),
+    (dict(world_size=4, tp=2, pp=2, dp=1, order="tp-dp"), "order"),
     (dict(world_size=4, tp=2, pp=2, dp=1, schedule="zb-v"), "schedule"),
     (dict(world_size=4, tp=2, pp=2, dp=1, microbatches=0), "microbatches"),
     (dict(world_size=4, tp=2, pp=2, dp=1, layers_per_stage=0), "layers_per_stage"),

@@ -138,7 +138,13 @@ class AnalysisResult:
                 "missing_ranks": list(t.missing_ranks), "hosts": t.hosts, "records": len(t.records),
                 "groups": len(t.groups), "layout": None if t.layout is None else
                 {k: getattr(t.layout, k) for k in ("tp", "pp", "dp", "microbatches", "schedule", "order")},
-                "problems": [str(p) for p in t.problems]}
+                "problems": [str(p) for p in t.problems], **self._job_summary()}
+
+    def _job_summary(self) -> dict[str, Any]:
+        from megatrace.jobconfig import job_facts
+
+        job = self.results.get("job")
+        return {} if job is None else {"job": job_facts(job)}
 
     def analysis_summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"clock": self.clock.summary(), "matching": self.match.summary(),
@@ -160,6 +166,35 @@ class AnalysisResult:
 
     def at_least(self, severity: Severity) -> list[Finding]:
         return [f for f in self.findings if f.severity.at_least(severity)]
+
+
+def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None, given: bool) -> Any:
+    """Build the job configuration (megatrace.jobconfig), write ``job.yaml`` beside the traces, and give the
+    trace its layout when none was given. Never fails the analysis: a problem becomes a LoadProblem."""
+    from megatrace.jobconfig import build_job_config, job_layout, write_job_yaml
+
+    explicit = None
+    if trace.layout is not None:
+        where = ("--tp/--pp/--dp" if from_spec else f"--layout {layout_file}" if layout_file is not None
+                 else "the given layout" if given else str(trace.path / "layout.yaml"))
+        explicit = (trace.layout, where, not from_spec)
+    try:
+        job = build_job_config(trace, explicit)
+    except Exception as exc:  # noqa: BLE001 - the job's configuration is context; analysis goes on without it
+        trace.problems.append(LoadProblem("warning", "job-config", f"job configuration not built: {exc!r}"))
+        return None
+    if trace.layout is None:
+        # the sources by precedence; when those do not fit, what the trace itself shows
+        inferred = job_layout(job) or job_layout(job, ("environment", "groups"))
+        if inferred is not None:
+            trace.layout = fit_layout(inferred, trace.world_size, f"job configuration ({job.sizes_label()})",
+                                      trace.problems)
+    try:
+        write_job_yaml(job, trace.path / "job.yaml")
+    except OSError as exc:
+        trace.problems.append(LoadProblem("warning", "job-config", f"cannot write {trace.path / 'job.yaml'}: "
+                                          f"{exc.strerror}", paths=(str(trace.path / "job.yaml"),)))
+    return job
 
 
 def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | None = None,
@@ -190,6 +225,8 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
         except LayoutError as exc:
             trace.layout = None
             trace.problems.append(LoadProblem("error", "layout", f"{exc}; analysing without a layout"))
+    job = _job_config(trace, spec is not None, layout if isinstance(layout, (str, Path)) else None,
+                      isinstance(layout, Layout))
     timings["load"] = time.perf_counter() - t0
     t = time.perf_counter()
     index = index_records(trace)
@@ -206,6 +243,11 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     timings["match"] = time.perf_counter() - t
     ctx = AnalysisContext(trace, clock, matched)
     ctx.results["mode"] = mode
+    if job is not None:
+        from megatrace.jobconfig import config_findings
+
+        ctx.results["job"] = job
+        ctx.findings.extend(config_findings(job))
     run = stages if stages is not None else STAGES
     if quick:
         ctx.results["skipped_stages"] = [name for name, _ in run if name not in HANG_MODE_STAGES]

@@ -31,6 +31,11 @@ def render_summary(result: AnalysisResult) -> str:
                  f"{m['collective_instances']:,} collectives ({m['incomplete_instances']} incomplete), "
                  f"{m['p2p_pairs']:,} point-to-point pairs; "
                  f"analysed in {result.timings.get('total', 0.0):.2f} s")
+    job = result.results.get("job")
+    if job is not None:
+        from megatrace.jobconfig import describe
+
+        lines.append(f"job: {describe(job)} (all fields and sources: {t.path / 'job.yaml'})")
     others = result.findings[1:]
     shown = [f for f in others if f.severity != Severity.INFO][:MAX_OTHER] or others[:MAX_OTHER]
     if shown:

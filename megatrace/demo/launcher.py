@@ -37,6 +37,7 @@ class DemoOptions:
     tp: int = 2
     pp: int = 2
     dp: int = 2
+    order: str = "tp-dp-pp"  # rank order (megatrace.config.ORDERS); Megatron-LM's default first
     steps: int = 20
     microbatches: int = 4
     layers_per_stage: int = 2
@@ -85,7 +86,8 @@ def build_layout(opts: DemoOptions) -> Layout:
     if opts.dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode {opts.dp_mode!r} is not one of {', '.join(DP_MODES)}")
     layout = Layout(world_size=opts.tp * opts.pp * opts.dp, tp=opts.tp, pp=opts.pp, dp=opts.dp,
-                    microbatches=opts.microbatches, layers_per_stage=opts.layers_per_stage).validate()
+                    microbatches=opts.microbatches, order=opts.order,
+                    layers_per_stage=opts.layers_per_stage).validate()
     host = socket.gethostname()
     layout = dataclasses.replace(layout, ranks={r: RankPlacement(host, r) for r in range(layout.world_size)})
     for spec in opts.faults:
@@ -101,7 +103,7 @@ def _free_port() -> int:
 
 def _worker_argv(opts: DemoOptions, out: Path) -> list[str]:
     argv = [sys.executable, "-m", "megatrace.demo", "--tp", str(opts.tp), "--pp", str(opts.pp),
-            "--dp", str(opts.dp), "--steps", str(opts.steps), "--microbatches", str(opts.microbatches),
+            "--dp", str(opts.dp), "--order", opts.order, "--steps", str(opts.steps), "--microbatches", str(opts.microbatches),
             "--layers-per-stage", str(opts.layers_per_stage), "--compute-ms", str(opts.compute_ms),
             "--dp-mode", opts.dp_mode, "--comm-timeout", str(opts.deadline + 60.0), "-o", str(out)]
     for spec in opts.faults:

@@ -26,7 +26,7 @@ from typing import Any
 
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.completion import CompletionPoller, Handle
-from megatrace.trace.environment import filter_env
+from megatrace.trace.environment import filter_env, job_inputs, library_versions
 from megatrace.trace.ring_writer import RingIdentity, RingOpenError, RingWriter
 from megatrace.trace.settings import TracerSettings
 from megatrace.trace.warnings import warn_once
@@ -127,12 +127,16 @@ class Tracer:
         try:
             writer.write_meta("process", rank=ident.rank, world_size=ident.world_size, local_rank=local_rank,
                               host=ident.host, pid=ident.pid, argv=sys.argv,
-                              torch=getattr(self.torch, "__version__", ""),
+                              **{"torch": getattr(self.torch, "__version__", ""), **library_versions(self.torch)},
                               backend=str(c10d.get_backend()))
             writer.write_meta("env", vars=filter_env(env))
             self.resolve(None)
         except Exception as exc:  # noqa: BLE001
             warn_once("meta", f"cannot record process facts: {exc!r}")
+        try:  # the trainer's arguments and config files, parsed at analysis time (megatrace.jobconfig)
+            writer.write_meta("job_inputs", **job_inputs(sys.argv))
+        except Exception as exc:  # noqa: BLE001
+            warn_once("job-inputs", f"cannot record the job's configuration: {exc!r}")
         atexit.register(self.shutdown)
 
     def shutdown(self) -> None:

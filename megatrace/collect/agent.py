@@ -1,0 +1,522 @@
+"""The node agent: watch this node's rings, suspect a hang, confirm it with the other nodes, trigger collection.
+
+Detection is a set of pure functions over ring snapshots, so that tests can
+drive them with synthetic clocks:
+
+* :func:`observe` turns the newest records of one ring (``read_ring(path, last=K)``)
+  into a :class:`RankObservation`: last activity (newest enqueue or completion;
+  the ring's creation for an empty ring), the oldest operation still outstanding,
+  whether the writer closed the ring;
+* :func:`assess_rank` says, at monotonic time ``now``, whether the rank is
+  *progressing*, *finished* (closed its ring), *exited* (its process is gone but
+  the ring is open: crashed or killed) or *stalled*: no new record and no
+  completion for longer than ``hang_timeout``, or a blocking or device operation
+  outstanding for longer than that;
+* :func:`node_state` is *suspect* when every unfinished rank of the node is
+  stalled or exited, *healthy* when one still progresses (the agent counts a rank
+  as exited only once it has seen it gone for ``EXIT_GRACE_S``, so that the
+  moment of a ``scancel``, when trainers die just before their agents, is no hang);
+* :func:`job_confirmed` is true when every live agent of the job that watches
+  unfinished ranks says *suspect*.
+
+Ring times are ``CLOCK_MONOTONIC`` of the node, the same clock as
+``time.monotonic_ns()`` here. Agents share nothing but the job's state
+directory (on the shared file system, by default ``<job-dir>/.megatrace-<job>/``)::
+
+    agents/<node>.json        each agent's state, rewritten every poll (a heartbeat)
+    triggers/<reason>         a request to collect now (timelimit, end, failure, manual)
+    collect-<reason>.lock     created with O_EXCL by the one agent that runs that collection
+    hang.json                 the confirmation: when, which nodes, why
+
+The agent that wins the lock runs the collector (``srun --overlap ...`` under
+Slurm, see :func:`megatrace.collect.slurm.collect_command`), then carries out
+``--on-hang``. Timing: a hang is confirmed ``hang_timeout`` + at most one poll
+interval (+ the other agents' poll) after its onset; the collection then takes
+seconds, bounded by the collector's own timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from megatrace.collect import safefs
+from megatrace.collect.node import TRACE_FILE_RE, foreign_files, process_facts, rank_prefix
+from megatrace.trace import ring_format as fmt
+
+TAIL = 64  # newest records read per ring and poll: enough to see what is outstanding
+DEFAULT_HANG_TIMEOUT_S = 300.0
+DEFAULT_POLL_S = 5.0
+STALE_FACTOR = 4  # an agent silent for this many poll intervals (at least STALE_MIN_S) no longer votes
+STALE_MIN_S = 20.0
+COLLECT_TIMEOUT_S = 600.0
+
+EXIT_GRACE_S = 30.0  # a rank seen exited counts only after this long (capped by the hang timeout): at a
+#                     scancel every process dies at once, the agents a moment after their trainers
+PROGRESSING, FINISHED, EXITED, STALLED = "progressing", "finished", "exited", "stalled"
+EXITING = "exiting"  # exited, seen for less than the grace period: not (yet) a stall
+HEALTHY, SUSPECT, DONE, NO_RANKS = "healthy", "suspect", "finished", "no-ranks"
+
+
+@dataclass(frozen=True)
+class RankObservation:
+    """What one ring says about its rank right now."""
+
+    rank: int
+    pid: int
+    file: str
+    closed: bool
+    records: int  # write counter
+    last_activity_ns: int  # newest t_enqueue or t_complete in the tail; ring creation when empty
+    outstanding_since_ns: int | None = None  # t_enqueue of the oldest blocking/device op not completed
+    outstanding_op: str | None = None
+    anchor_wall_ns: int = 0
+    anchor_mono_ns: int = 0
+    host: str = ""
+
+    def to_wall_ns(self, mono_ns: int) -> int:
+        return self.anchor_wall_ns + (mono_ns - self.anchor_mono_ns)
+
+
+@dataclass(frozen=True)
+class RankVerdict:
+    rank: int
+    state: str  # PROGRESSING / FINISHED / EXITED / STALLED
+    reason: str
+    idle_s: float
+
+
+def _op_name(op: int) -> str:
+    try:
+        return fmt.Op(op).name.lower()
+    except ValueError:
+        return f"op {op}"
+
+
+def observe(snap: Any, name: str | None = None) -> RankObservation:
+    """A :class:`RankObservation` of a ``RingSnapshot`` (the newest records are enough); ``name``: the file's."""
+    h, recs = snap.header, snap.records
+    last = h.anchor_mono_ns
+    since = op = None
+    if len(recs):
+        last = max(last, int(recs["t_enqueue"].max()), int(recs["t_complete"].max()))
+        comm = recs[(recs["op"] < fmt.Op.MARK_STEP) & (recs["state"] == fmt.State.ENQUEUED)
+                    & ((recs["flags"] & fmt.Flag.NO_COMPLETION) == 0)
+                    & (((recs["flags"] & fmt.Flag.ASYNC) == 0) | ((recs["flags"] & fmt.Flag.DEVICE) != 0))]
+        if len(comm):
+            first = comm[0]
+            since, op = int(first["t_enqueue"]), _op_name(int(first["op"]))
+    return RankObservation(h.rank, h.pid, name or os.path.basename(h.path), h.closed_cleanly, h.write_counter, last,
+                           since, op, h.anchor_wall_ns, h.anchor_mono_ns, h.host)
+
+
+def assess_rank(obs: RankObservation, now_ns: int, hang_timeout_s: float, alive: bool | None = None) -> RankVerdict:
+    """Is the rank progressing, finished, exited or stalled at monotonic time ``now_ns``? (pure)
+
+    ``alive``: whether its process exists (None: unknown, e.g. another pid namespace).
+    """
+    idle = max(0, now_ns - obs.last_activity_ns) / 1e9
+    if obs.closed:
+        return RankVerdict(obs.rank, FINISHED, "closed its ring (finished)", idle)
+    if alive is False:
+        return RankVerdict(obs.rank, EXITED, f"process {obs.pid} is gone but its ring is open (crashed or killed)",
+                           idle)
+    if obs.outstanding_since_ns is not None:
+        waited = max(0, now_ns - obs.outstanding_since_ns) / 1e9
+        if waited > hang_timeout_s:
+            return RankVerdict(obs.rank, STALLED, f"{obs.outstanding_op} outstanding for {waited:.0f} s", idle)
+    if idle > hang_timeout_s:
+        what = "no traced call since its ring was created" if obs.records == 0 else "no new record or completion"
+        return RankVerdict(obs.rank, STALLED, f"{what} for {idle:.0f} s", idle)
+    return RankVerdict(obs.rank, PROGRESSING, f"last activity {idle:.1f} s ago", idle)
+
+
+def node_state(verdicts: list[RankVerdict]) -> str:
+    """SUSPECT when every unfinished rank is stalled or exited; HEALTHY when one progresses (pure)."""
+    if not verdicts:
+        return NO_RANKS
+    active = [v for v in verdicts if v.state != FINISHED]
+    if not active:
+        return DONE
+    if all(v.state in (STALLED, EXITED) for v in active):
+        return SUSPECT
+    return HEALTHY
+
+
+@dataclass
+class AgentStatus:
+    """One agent's state as written to ``agents/<node>.json``."""
+
+    node: str
+    state: str
+    updated_wall_ns: int
+    pid: int = 0
+    suspect_since_wall_ns: int | None = None
+    onset_wall_ns: int | None = None  # the stalled ranks' last activity, in wall time: the hang's onset
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+
+
+def job_confirmed(statuses: list[AgentStatus], now_wall_ns: int, stale_s: float, expected: list[str] | None = None,
+                  watched_s: float = float("inf")) -> tuple[bool, dict[str, Any]]:
+    """(confirmed, evidence): all live agents that watch unfinished ranks are SUSPECT (pure).
+
+    Agents silent for more than ``stale_s`` do not vote (their node may be down: that must not
+    block the confirmation); they are named in the evidence. ``expected``: the job's nodes; one whose
+    agent has not reported yet blocks the confirmation until this agent has watched for ``stale_s``
+    (``watched_s``), then counts as silent.
+    """
+    fresh = [s for s in statuses if now_wall_ns - s.updated_wall_ns <= stale_s * 1e9]
+    stale = sorted(s.node for s in statuses if s not in fresh)
+    unseen = sorted(set(expected or ()) - {s.node for s in statuses})
+    if unseen and watched_s < stale_s:
+        return False, {"waiting_for_agents": unseen}
+    stale += unseen
+    voters = [s for s in fresh if s.state in (HEALTHY, SUSPECT)]
+    suspects = [s for s in voters if s.state == SUSPECT]
+    evidence = {"nodes": sorted(s.node for s in voters), "suspect": sorted(s.node for s in suspects),
+                "healthy": sorted(s.node for s in voters if s.state == HEALTHY), "silent_agents": stale,
+                "finished": sorted(s.node for s in fresh if s.state == DONE)}
+    evidence["exited_ranks"] = sorted({r.get("rank") for s in suspects for r in (s.ranks or [])
+                                       if isinstance(r, dict) and r.get("state") == EXITED})
+    onsets = [s.onset_wall_ns for s in suspects if s.onset_wall_ns]
+    if onsets:
+        evidence["onset_wall_ns"] = min(onsets)
+    return bool(voters) and len(suspects) == len(voters), evidence
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+def _ring_names(dir_fd: int) -> list[str]:
+    """Current rings (rank-N.ring, not earlier attempts) of the directory."""
+    out = []
+    for n in safefs.list_dir(dir_fd):
+        m = TRACE_FILE_RE.match(n)
+        if m and m.group(2) == "ring" and not m.group(3):
+            out.append(n)
+    return out
+
+
+def scan(ring_dir: str | None, now_ns: int, hang_timeout_s: float,
+         liveness: Callable[[int, int], bool | None] | None = None,
+         node: str | None = None) -> tuple[list[RankVerdict], list[RankObservation]]:
+    """Read the tail of every ring of ``ring_dir`` and assess each rank; unreadable rings are skipped.
+
+    ``node``: keep only the rings this node wrote when the directory also holds other nodes' (see
+    :func:`megatrace.collect.node.foreign_files`).
+
+    Each ring is opened without following links (the agent may run as root) and read through its
+    descriptor (``/proc/self/fd/N``), so a file swapped for a link after the listing is not followed either.
+    """
+    from megatrace.trace.ring_reader import RingFormatError, read_ring
+
+    verdicts: list[RankVerdict] = []
+    observations: list[RankObservation] = []
+    hosts: dict[str, str] = {}
+    if not ring_dir:
+        return verdicts, observations
+    try:
+        dfd = safefs.open_dir(ring_dir)
+    except OSError:
+        return verdicts, observations
+    try:
+        for name in _ring_names(dfd):
+            try:
+                fd = safefs.open_regular(dfd, name)
+            except OSError:
+                continue
+            try:
+                obs = observe(read_ring(f"/proc/self/fd/{fd}", last=TAIL), name)
+            except (RingFormatError, OSError, ValueError):
+                continue
+            finally:
+                os.close(fd)
+            alive = liveness(obs.pid, obs.anchor_mono_ns) if liveness else None
+            observations.append(obs)
+            verdicts.append(assess_rank(obs, now_ns, hang_timeout_s, alive))
+            hosts[name] = obs.host
+    finally:
+        os.close(dfd)
+    if node:  # a directory shared by several virtual nodes: watch only this node's ranks
+        foreign = foreign_files(hosts, node)
+        keep = [i for i, o in enumerate(observations) if rank_prefix(o.file) not in foreign]
+        verdicts, observations = [verdicts[i] for i in keep], [observations[i] for i in keep]
+    return verdicts, observations
+
+
+def pid_alive(pid: int, anchor_mono_ns: int) -> bool | None:
+    """Whether the ring's writer still runs; None when this agent cannot see pids (another namespace)."""
+    if pid <= 0:
+        return None
+    if not os.path.exists("/proc/self"):
+        return None
+    return bool(process_facts(pid, anchor_mono_ns).get("alive"))
+
+
+@dataclass
+class AgentConfig:
+    state_dir: str
+    ring_dir: str | None
+    node: str
+    job_id: str
+    job_dir: str
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    poll_s: float = DEFAULT_POLL_S
+    on_hang: str = "report"
+    collect_cmd: list[str] | None = None  # "{trigger}" is replaced; None: see default_collect_cmd
+    exit_when_done: bool = True
+    max_runtime_s: float | None = None
+    once: bool = False
+    owner: tuple[int, int] | None = None
+    nodes: list[str] | None = None  # the job's nodes (SLURM_JOB_NODELIST): each one's agent must be heard
+
+
+class Agent:
+    """One node's watchdog; see the module docstring."""
+
+    def __init__(self, cfg: AgentConfig, log: Callable[[str], None] = lambda m: None) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.state = safefs.OutDir(cfg.state_dir, cfg.owner)
+        self.agents = self.state.subdir("agents")
+        self.triggers = self.state.subdir("triggers")
+        self.started = time.monotonic_ns()
+        self.suspect_since: int | None = None
+        self.exited_seen: dict[tuple[str, int, int], int] = {}
+        self.requested: list[str] = []
+        self.collections: list[dict[str, Any]] = []
+        self.stop = False
+
+    def ring_dirs(self) -> list[str]:
+        """``ring_dir`` if given; else $MEGATRACE_DIR (if it holds rings) and every ring directory of the job
+        (looked up on every poll: the training step starts after the agent)."""
+        if self.cfg.ring_dir:
+            return [self.cfg.ring_dir]
+        from megatrace.collect.node import has_rings, job_ring_dirs
+
+        env = os.environ.get("MEGATRACE_DIR")
+        found = job_ring_dirs(self.cfg.job_id)
+        return list(dict.fromkeys(([env] if env and has_rings(env) else []) + found))
+
+    # -- signals ---------------------------------------------------------------
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGUSR1, lambda *_: self.requested.append("timelimit"))
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stop", True))
+
+    # -- one poll ----------------------------------------------------------------
+    def poll(self) -> str:
+        """Observe, publish, confirm, act once; returns this node's state."""
+        cfg = self.cfg
+        now = time.monotonic_ns()
+        verdicts, obs = [], []
+        for ring_dir in self.ring_dirs():
+            v, o = scan(ring_dir, now, cfg.hang_timeout_s, pid_alive, cfg.node)
+            verdicts += v
+            obs += o
+        verdicts = self._exit_grace(verdicts, obs, now)
+        state = node_state(verdicts)
+        wall = time.time_ns()
+        if state == SUSPECT:
+            self.suspect_since = self.suspect_since or wall
+        else:
+            self.suspect_since = None
+        stalled = [o for v, o in zip(verdicts, obs) if v.state in (STALLED, EXITED)]
+        onset = min(o.to_wall_ns(o.last_activity_ns) for o in stalled) if state == SUSPECT and stalled else None
+        status = AgentStatus(cfg.node, state, wall, os.getpid(), self.suspect_since, onset,
+                             [asdict(v) for v in verdicts])
+        self.agents.write(f"{_safe(cfg.node)}.json", json.dumps(asdict(status)).encode(), replace=True)
+        for reason in self._pending_triggers():
+            self._collect(reason, f"requested ({reason})")
+        if state == SUSPECT:
+            confirmed, evidence = job_confirmed(self._statuses(), time.time_ns(), self._stale_s(), cfg.nodes,
+                                                (time.monotonic_ns() - self.started) / 1e9)
+            if confirmed:
+                self._on_hang(evidence)
+        return state
+
+    def _exit_grace(self, verdicts: list[RankVerdict], obs: list[RankObservation], now: int) -> list[RankVerdict]:
+        """An exited rank counts as stalled only once it has been seen exited for the grace period."""
+        grace = min(EXIT_GRACE_S, self.cfg.hang_timeout_s)
+        out = []
+        for v, o in zip(verdicts, obs):
+            key = (o.file, o.pid, o.anchor_mono_ns)
+            if v.state != EXITED:
+                self.exited_seen.pop(key, None)
+            elif (now - self.exited_seen.setdefault(key, now)) / 1e9 < grace:
+                v = RankVerdict(v.rank, EXITING, v.reason, v.idle_s)
+            out.append(v)
+        return out
+
+    def _stale_s(self) -> float:
+        return max(STALE_MIN_S, STALE_FACTOR * self.cfg.poll_s)
+
+    def _statuses(self) -> list[AgentStatus]:
+        out = []
+        for name in safefs.list_dir(self.agents.fd):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            try:
+                data = json.loads(safefs.read_file(self.agents.fd, name, 1 << 20))
+                out.append(AgentStatus(**{k: data.get(k) for k in AgentStatus.__dataclass_fields__}))
+            except (OSError, ValueError, TypeError):
+                continue
+        return out
+
+    def _pending_triggers(self) -> list[str]:
+        from megatrace.collect.bundle import TRIGGERS
+
+        reasons = list(dict.fromkeys(self.requested))
+        self.requested.clear()
+        for name in safefs.list_dir(self.triggers.fd):
+            if name in TRIGGERS and name not in reasons:
+                reasons.append(name)
+        return [r for r in reasons if not self.state.exists(f"collect-{r}.lock")]
+
+    def _lock(self, reason: str) -> bool:
+        try:
+            self.state.write(f"collect-{reason}.lock", f"{self.cfg.node} {os.getpid()} {time.time_ns()}\n".encode())
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:
+                return False
+            raise
+
+    def _on_hang(self, evidence: dict[str, Any]) -> None:
+        if not self._lock("hang"):
+            return
+        detail = (f"all {len(evidence['nodes'])} nodes with running ranks stalled for more than "
+                  f"{self.cfg.hang_timeout_s:.0f} s")
+        exited = evidence.get("exited_ranks") or []
+        trigger = "failure" if exited else "hang"  # a rank's process died: the job failed, the others wait
+        if exited:
+            detail += f"; the processes of ranks {', '.join(map(str, exited[:16]))} are gone (crashed or killed)"
+        record = {"confirmed_by": self.cfg.node, "confirmed_wall_ns": time.time_ns(),
+                  "hang_timeout_s": self.cfg.hang_timeout_s, **evidence}
+        self.state.write("hang.json", json.dumps(record, indent=1).encode() + b"\n", replace=True)
+        self.log(f"agent {self.cfg.node}: hang confirmed: {detail}")
+        result = self._run_collector(trigger, detail)
+        from megatrace.collect.slurm import hang_action
+
+        result["on_hang"] = hang_action(self.cfg.on_hang, self.cfg.job_id)
+        self.log(f"agent {self.cfg.node}: on-hang {self.cfg.on_hang}: {result['on_hang']}")
+
+    def _collect(self, reason: str, detail: str) -> None:
+        if self._lock(reason):
+            self.log(f"agent {self.cfg.node}: collecting ({detail})")
+            self._run_collector(reason, detail)
+
+    def _run_collector(self, trigger: str, detail: str) -> dict[str, Any]:
+        cmd = [a.replace("{trigger}", trigger) for a in (self.cfg.collect_cmd or default_collect_cmd(self.cfg))]
+        # The detail travels in the environment (srun and mpiexec pass it to every task), not as an
+        # argument that would reach only the last part of an MPMD command line.
+        env = {**os.environ, "MEGATRACE_COLLECT_DETAIL": detail, "MEGATRACE_COLLECT_TRIGGER": trigger}
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                                  timeout=COLLECT_TIMEOUT_S)
+            result = {"trigger": trigger, "command": cmd, "rc": proc.returncode,
+                      "seconds": round(time.monotonic() - t0, 2), "stdout": proc.stdout[-4000:],
+                      "stderr": proc.stderr[-4000:]}
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            result = {"trigger": trigger, "command": cmd, "rc": None, "error": str(exc)}
+        self.collections.append(result)
+        self.log(f"agent {self.cfg.node}: collector ({trigger}) exit {result.get('rc')} after "
+                 f"{result.get('seconds', '?')} s")
+        try:
+            self.state.write(f"collect-{trigger}.json", json.dumps(result, indent=1).encode(), replace=True)
+        except OSError:
+            pass
+        return result
+
+    # -- the loop ----------------------------------------------------------------
+    def run(self) -> int:
+        start = time.monotonic()
+        done_since: float | None = None
+        while not self.stop:
+            try:
+                state = self.poll()
+            except OSError as exc:  # a hiccup of the shared file system: try again next poll
+                self.log(f"agent {self.cfg.node}: {exc}")
+                state = None
+            if self.cfg.once:
+                break
+            if state == DONE and self.cfg.exit_when_done:
+                done_since = done_since or time.monotonic()
+                if time.monotonic() - done_since > 2 * self.cfg.poll_s:
+                    break
+            else:
+                done_since = None
+            if self.cfg.max_runtime_s and time.monotonic() - start > self.cfg.max_runtime_s:
+                break
+            _sleep(self.cfg.poll_s, lambda: self.stop or bool(self.requested))
+        return 0
+
+
+def _sleep(seconds: float, wake: Callable[[], bool]) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not wake():
+        time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+
+
+def _safe(node: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]", "_", node)[:128] or "_"
+
+
+def default_collect_cmd(cfg: AgentConfig) -> list[str]:
+    """Under Slurm: srun --overlap, one collector per node of the job; elsewhere: this node only (--local)."""
+    import sys
+
+    from megatrace.collect.slurm import collect_command
+
+    if os.environ.get("SLURM_JOB_ID"):
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
+        count = int(nodes) if nodes.isdigit() else len(cfg.nodes) if cfg.nodes else None
+        ring = node_pattern(cfg.ring_dir, cfg.node) if cfg.ring_dir else None
+        return collect_command(cfg.job_id, cfg.job_dir, "{trigger}", count, ring_dir=ring, timeout_s=45.0)
+    cmd = [sys.executable, "-m", "megatrace.cli", "collect", "--local", "--trigger", "{trigger}", "--job-id",
+           cfg.job_id, "--job-dir", cfg.job_dir, "--node", cfg.node]
+    return cmd + (["--ring-dir", cfg.ring_dir] if cfg.ring_dir else [])
+
+
+def node_pattern(path: str, node: str) -> str:
+    """``path`` with this node's name as ``%n`` (``/l/job-7.n1/step-0`` -> ``/l/job-7.%n/step-0``), so that the
+    collector task on every node finds its own directory; only whole components or a ``.<node>`` suffix."""
+    parts = []
+    for comp in path.split("/"):
+        if comp == node:
+            comp = "%n"
+        elif comp.endswith("." + node):
+            comp = comp[:-len(node)] + "%n"
+        parts.append(comp)
+    return "/".join(parts)
+
+
+def request_trigger(state_dir: str, reason: str, owner: tuple[int, int] | None = None) -> Path:
+    """Ask the job's agents to collect now (the batch script's USR1 trap, the epilog)."""
+    with safefs.OutDir(state_dir, owner) as state:
+        with state.subdir("triggers") as trig:
+            return trig.write(reason, f"{time.time_ns()}\n".encode(), replace=True)
+
+
+def default_state_dir(job_dir: str, job_id: str, restart: str | None = None) -> str:
+    """``<job-dir>/.megatrace-<job>``; a requeued job (``SLURM_RESTART_COUNT`` > 0, same job id) gets
+    ``.megatrace-<job>.r<count>``, so that its hangs are confirmed and collected afresh."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0") if restart is None else restart
+    suffix = f".r{restart}" if restart.isdigit() and int(restart) > 0 else ""
+    return str(Path(job_dir) / f".megatrace-{_safe(job_id)}{suffix}")
+
+
+def split_command(text: str) -> list[str]:
+    return shlex.split(text)

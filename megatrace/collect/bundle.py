@@ -1,0 +1,327 @@
+"""The collection bundle in the job directory: rings byte for byte, node facts, what is missing, the analysis.
+
+Layout of ``<job-dir>/megatrace-<job>/`` (a later collection of the same job
+goes to ``megatrace-<job>.1``, ``.2``, ...)::
+
+    collection.json       trigger, expected / collected / missing nodes and ranks, every file with its sha256
+    rings/rank-N.ring     the ring files exactly as they were on the nodes (and rank-N.meta.jsonl, earlier
+                          attempts rank-N.ring.K); a name two nodes both hold goes to nodes/<node>/ instead
+    nodes/<node>.json     the node's facts: ring headers, /proc states of the ranks, GPUs, kernel log, stacks
+    procs.json            per rank: pid, node, process state (read by the analysis); "stalled" on a hang
+    findings.json         the analysis (megatrace analyze); summary.txt its text; report.html if available
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatrace.collect import safefs
+from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot
+
+FORMAT_VERSION = 1
+TRIGGERS = ("hang", "end", "timelimit", "failure", "manual")
+ANALYSIS_MODES = ("auto", "full", "quick", "none")
+
+
+def _safe_name(node: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", node)[:128] or "_"
+
+
+GATHER_MARK, LOCAL_MARK = ".gather", ".local"  # which kind of collection fills a bundle directory
+
+
+def bundle_path(job_dir: str | os.PathLike[str], job_id: str, fresh: bool = False, local: bool = False) -> Path:
+    """The bundle directory for a new collection: the first fitting ``megatrace-<job>``, ``megatrace-<job>.1``, ...
+
+    A gather (``local`` False) takes the first without a finished collection and not filled by ``--local``
+    runs; with ``fresh`` (as root: a directory the user made could hold links planted for whatever writes
+    into it by name) the first that does not exist at all. ``--local`` runs of the nodes of one job share
+    one directory: the first not used by a gather.
+    """
+    base = Path(job_dir) / f"megatrace-{_safe_name(job_id)}"
+    n = 0
+    while True:
+        candidate = base if n == 0 else base.with_name(f"{base.name}.{n}")
+        n += 1
+        if candidate.is_symlink() or (candidate.exists() and not candidate.is_dir()):
+            continue
+        if not candidate.exists():
+            return candidate
+        if local:
+            if not (candidate / GATHER_MARK).exists() and \
+                    ((candidate / LOCAL_MARK).exists() or not (candidate / "collection.json").exists()):
+                return candidate
+        elif not fresh and not (candidate / "collection.json").exists() and not (candidate / LOCAL_MARK).exists():
+            return candidate
+
+
+@dataclass
+class NodeEntry:
+    node: str
+    mpi_rank: int | None
+    files: int = 0
+    error: str | None = None
+
+
+@dataclass
+class BundleWriter:
+    """Write node snapshots into the bundle as they arrive (the root never holds them all), then finish."""
+
+    path: Path
+    job_id: str
+    owner: tuple[int, int] | None = None
+    exclusive: bool = False  # the directory must be new (see bundle_path's ``fresh``)
+    started_wall_ns: int = field(default_factory=time.time_ns)
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        self.out = safefs.OutDir(self.path, self.owner, exclusive=self.exclusive)
+        self.rings = self.out.subdir("rings")
+        self.nodes = self.out.subdir("nodes")
+        self.entries: list[NodeEntry] = []
+        self.missing: list[dict[str, Any]] = []  # MPI ranks (nodes) that sent nothing
+        self.files: list[dict[str, Any]] = []
+        self.ring_facts: list[dict[str, Any]] = []
+        self.procs: dict[str, dict[str, Any]] = {}
+        self.problems: list[str] = []
+        self._sha: dict[str, str] = {}
+
+    # -- arrival ------------------------------------------------------------
+    def add_missing(self, info: dict[str, Any]) -> None:
+        self.missing.append({"mpi_rank": info.get("mpi_rank"), "reason": info.get("reason", "did not report")})
+
+    def add_node(self, snap: NodeSnapshot, mpi_rank: int | None = None) -> None:
+        """Write one node's files and facts; never raises for the node's content."""
+        if any(e.node == snap.node for e in self.entries):
+            self.problems.append(f"node {snap.node} reported twice (MPI rank {mpi_rank}); the second copy was "
+                                 "ignored (more than one collector task on that node?)")
+            return
+        entry = NodeEntry(snap.node, mpi_rank, len(snap.files), snap.error)
+        self.entries.append(entry)
+        extra: safefs.OutDir | None = None
+        for name, data in sorted(snap.files.items()):
+            if not TRACE_FILE_RE.match(name):
+                continue
+            digest = hashlib.sha256(data).hexdigest()
+            where = f"rings/{name}"
+            try:
+                if name not in self._sha and self.rings.exists(name):  # written by another node's --local run
+                    self._sha[name] = hashlib.sha256(safefs.read_file(self.rings.fd, name, RING_LIMIT)).hexdigest()
+                if name in self._sha:
+                    if self._sha[name] == digest:
+                        continue  # the same file from two nodes (a shared trace directory): keep one copy
+                    extra = extra or self.nodes.subdir(_safe_name(snap.node))
+                    extra.write(name, data)
+                    where = f"nodes/{_safe_name(snap.node)}/{name}"
+                    self.problems.append(f"{name} exists on more than one node with different content; the copy "
+                                         f"of node {snap.node} is in {where}")
+                else:
+                    self.rings.write(name, data)
+                    self._sha[name] = digest
+            except OSError as exc:
+                self.problems.append(f"cannot write {where}: {exc.strerror or exc}")
+                continue
+            self.files.append({"name": where, "node": snap.node, "bytes": len(data), "sha256": digest})
+        self._add_facts(snap.node, dict(snap.facts))
+        try:
+            self.nodes.write(f"{_safe_name(snap.node)}.json",
+                             json.dumps(snap.facts, indent=1, default=str).encode() + b"\n")
+        except OSError as exc:
+            self.problems.append(f"cannot write facts of node {snap.node}: {exc.strerror or exc}")
+
+    def adopt(self) -> None:
+        """Take in what other nodes' ``--local`` runs wrote into this bundle (nodes/*.json, rings/)."""
+        known = {e.node for e in self.entries}
+        for name in safefs.list_dir(self.nodes.fd):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            try:
+                facts = json.loads(safefs.read_file(self.nodes.fd, name, 64 << 20))
+            except (OSError, ValueError) as exc:
+                self.problems.append(f"nodes/{name} unreadable: {exc}")
+                continue
+            node = str(facts.get("node") or name[:-5])
+            if node in known:
+                continue
+            self.entries.append(NodeEntry(node, None, len(facts.get("rings") or []), facts.get("error")))
+            self._add_facts(node, facts)
+        for name in safefs.list_dir(self.rings.fd):
+            if TRACE_FILE_RE.match(name) and name not in self._sha:
+                try:
+                    data = safefs.read_file(self.rings.fd, name, RING_LIMIT)
+                except OSError:
+                    continue
+                self._sha[name] = hashlib.sha256(data).hexdigest()
+                self.files.append({"name": f"rings/{name}", "node": None, "bytes": len(data),
+                                   "sha256": self._sha[name]})
+
+    def _add_facts(self, node: str, facts: dict[str, Any]) -> None:
+        for ring in facts.get("rings", []):
+            self.ring_facts.append({**ring, "node": node})
+            if ring.get("error") or ring.get("problems"):
+                self.problems.append(f"node {node}: {ring['file']}: "
+                                     + "; ".join([ring["error"]] if ring.get("error") else ring["problems"]))
+            pid = ring.get("pid")
+            m = TRACE_FILE_RE.match(ring["file"])
+            if isinstance(ring.get("rank"), int) and m and not m.group(3):
+                proc = (facts.get("procs") or {}).get(str(pid), {})
+                self.procs[str(ring["rank"])] = {"pid": pid, "node": node, "exit_code": None, "signal": None,
+                                                 "alive": proc.get("alive"), "state": proc.get("state_name"),
+                                                 "wchan": proc.get("wchan"), "tracer_closed": ring.get("closed")}
+        for skipped in facts.get("skipped") or []:
+            self.problems.append(f"node {node}: {skipped['name']} not collected: {skipped['reason']}")
+
+    def has_facts_of(self, nodes: list[str]) -> bool:
+        """Whether nodes/<node>.json exists for every one of ``nodes``."""
+        return all(self.nodes.exists(f"{_safe_name(n)}.json") for n in nodes)
+
+    def claim(self, name: str) -> bool:
+        """Create the empty marker file ``name`` (O_EXCL): True for the one process that made it."""
+        try:
+            self.out.write(name, b"")
+            return True
+        except FileExistsError:
+            return False
+
+    def close(self) -> None:
+        """Leave without finishing (another node's --local run finishes the bundle)."""
+        for d in (self.rings, self.nodes, self.out):
+            d.give_away()
+            d.close()
+
+    # -- the end --------------------------------------------------------------
+    def summary(self, trigger: str, detail: str, expected_nodes: list[str] | None) -> dict[str, Any]:
+        collected = sorted(e.node for e in self.entries if not e.error)
+        failed = [{"node": e.node, "reason": e.error} for e in self.entries if e.error]
+        missing_nodes: list[dict[str, Any]] = list(failed)
+        if expected_nodes:
+            seen = {e.node for e in self.entries}
+            missing_nodes += [{"node": n, "reason": "no collector task reported from it"}
+                              for n in expected_nodes if n not in seen]
+            unknown = [m for m in self.missing]
+            if unknown and not any(n not in seen for n in expected_nodes):
+                missing_nodes += [{"node": f"MPI rank {m['mpi_rank']}", "reason": m["reason"]} for m in unknown]
+        else:
+            missing_nodes += [{"node": f"MPI rank {m['mpi_rank']}", "reason": m["reason"]} for m in self.missing]
+        main = [r for r in self.ring_facts if "rank" in r and not TRACE_FILE_RE.match(r["file"]).group(3)]
+        worlds = Counter(r["world_size"] for r in main)
+        world = worlds.most_common(1)[0][0] if worlds else 0
+        have = sorted({r["rank"] for r in main if 0 <= r["rank"] < world})
+        missing_ranks = sorted(set(range(world)) - set(have))
+        return {
+            "format": FORMAT_VERSION, "job_id": self.job_id,
+            "trigger": {"reason": trigger, "detail": detail},
+            "started_wall_ns": self.started_wall_ns, "finished_wall_ns": time.time_ns(),
+            "nodes": {"expected": expected_nodes, "collected": collected,
+                      "without_traces": sorted(e.node for e in self.entries if not e.error and not e.files),
+                      "missing": missing_nodes},
+            "ranks": {"world_size": world, "collected": len(have), "missing": missing_ranks},
+            "mpi_ranks_missing": self.missing,
+            "problems": self.problems,
+            "files": self.files,
+        }
+
+    def finish(self, trigger: str = "manual", detail: str = "", expected_nodes: list[str] | None = None,
+               analysis: str = "auto", report: bool = True) -> dict[str, Any]:
+        """Write procs.json and collection.json, run the analysis and the report; returns collection.json."""
+        procs = {"ranks": self.procs, "collected_by": "megatrace collect"}
+        if trigger in ("hang", "failure"):
+            procs["outcome"] = "stalled"
+            procs["message"] = f"the MegaTrace agents confirmed a {trigger}{': ' + detail if detail else ''}"
+        alive = [p for p in self.procs.values() if p.get("alive")]
+        if trigger == "failure" and alive:
+            # In a job that still runs, a rank whose process vanished with its ring open has crashed.
+            for p in self.procs.values():
+                if p.get("alive") is False and p.get("tracer_closed") is False:
+                    p["signal"] = "an unknown signal or crash (process gone, its ring still open)"
+        self._write("procs.json", procs)
+        doc = self.summary(trigger, detail, expected_nodes)
+        doc["analysis"] = self._analyze(analysis, trigger, report)
+        self._write("collection.json", doc)
+        for d in (self.rings, self.nodes, self.out):
+            d.give_away()
+            d.close()
+        return doc
+
+    def _write(self, name: str, obj: Any) -> None:
+        self.out.write(name, json.dumps(obj, indent=1, default=str).encode() + b"\n", replace=True)
+
+    def _analyze(self, mode: str, trigger: str, report: bool) -> dict[str, Any]:
+        if mode == "none" or not self._sha:
+            return {"ran": False, "reason": "disabled" if mode == "none" else "no ring files were collected"}
+        if mode == "auto":
+            mode = "quick" if trigger == "hang" and len(self._sha) > 2048 else "full"
+        t0 = time.perf_counter()
+        out: dict[str, Any] = {"ran": True, "mode": mode}
+        try:
+            from megatrace.analyze.engine import analyze
+            from megatrace.analyze.summary import render_summary
+
+            # Root reads through its own descriptor: a link put in place of the directory is not followed.
+            where = self.out.fd_path if os.geteuid() == 0 else str(self.path)
+            result = analyze(where, mode="hang" if mode == "quick" else "full")
+            doc = result.document()
+            trace = doc.setdefault("trace", {})
+            trace["path"] = str(self.path)
+            # What the collection could not bring, in the words every reader of findings.json shows.
+            trace.setdefault("problems", []).extend(self._collection_problems())
+            text = json.dumps(doc, indent=2, ensure_ascii=False, default=_plain) + "\n"
+            self.out.write("findings.json", text.encode(), replace=True)
+            summary = render_summary(result)
+            self.out.write("summary.txt", summary.encode() + b"\n", replace=True)
+            out["findings"] = "findings.json"
+            out["verdict"] = doc.get("verdict")
+            if doc.get("findings"):
+                top = doc["findings"][0]
+                out["verdict_finding"] = {k: top.get(k) for k in ("id", "severity", "kind", "subject")}
+            if report:
+                out["report"] = self._report(text)
+        except Exception as exc:  # analysis must never lose the collection
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["seconds"] = round(time.perf_counter() - t0, 3)
+        return out
+
+    def _collection_problems(self) -> list[str]:
+        out = [f"collection: node {e.node} missing: {e.error}" for e in self.entries if e.error]
+        out += [f"collection: MPI rank {m['mpi_rank']} (one node) missing: {m['reason']}" for m in self.missing]
+        out += [f"collection: {p}" for p in self.problems]
+        return out
+
+    def _report(self, findings_text: str) -> str | None:
+        """report.html via megatrace.report when it exists (rendered in a private directory, then copied)."""
+        try:
+            from megatrace.report.render import write_report
+        except ImportError:
+            return None
+        tmp = tempfile.mkdtemp(prefix="megatrace-report-")
+        try:
+            src = Path(tmp) / "findings.json"
+            src.write_text(findings_text, encoding="utf-8")
+            html, trace = write_report(src)
+            for p in (html, trace):
+                if p is not None:
+                    self.out.write(Path(p).name, Path(p).read_bytes(), replace=True)
+            return Path(html).name
+        except Exception as exc:
+            self.problems.append(f"report not written: {type(exc).__name__}: {exc}")
+            return None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset, tuple)):
+        return sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+    return str(value)

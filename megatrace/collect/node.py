@@ -1,0 +1,350 @@
+"""One node's share of a collection: its ring files, byte for byte, and facts about the node.
+
+:func:`snapshot_node` reads every ``rank-N.ring[.K]`` and ``rank-N.meta.jsonl[.K]``
+of the node's trace directory (without following a user's symbolic links, see
+:mod:`megatrace.collect.safefs`), describes each ring from its header (a corrupt
+or truncated file is kept as it is and described, never fatal), and adds what
+the node can tell about the ranks' processes:
+
+* process state, kernel wait channel and command line from ``/proc/<pid>``, for
+  the pid in each ring header (a pid that started after the ring was created is
+  a reused pid, not the writer: reported as such);
+* an NVML snapshot of the GPUs when ``pynvml`` works (absent here: recorded as unavailable);
+* kernel-log lines about GPU Xid errors, OOM kills and hung tasks when ``/dev/kmsg`` is readable;
+* Python stacks of the live trainers when ``py-spy`` is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatrace.collect import safefs
+from megatrace.trace import ring_format as fmt
+
+TRACE_FILE_RE = re.compile(r"^rank-(\d+)\.(ring|meta\.jsonl)(\.\d+)?$")
+RING_LIMIT = fmt.file_size(fmt.MAX_CAPACITY)  # the largest legal ring file
+META_LIMIT = 64 << 20  # a meta file is a few KiB; refuse anything absurd
+STACK_TIMEOUT_S = 10.0  # py-spy attaches and unwinds in well under a second per process
+KMSG_PATTERN = re.compile(r"NVRM: Xid|Out of memory|oom-kill|hung_task|blocked for more than|segfault", re.I)
+KMSG_MAX_LINES = 200
+
+
+def node_name() -> str:
+    """This node's name: ``MEGATRACE_NODE_NAME``, ``SLURMD_NODENAME``, or the host name."""
+    return os.environ.get("MEGATRACE_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+@dataclass
+class NodeSnapshot:
+    """What one node contributes: its trace files (name -> bytes) and facts (JSON-able)."""
+
+    node: str
+    files: dict[str, bytes] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # the trace directory itself could not be read
+
+
+SHM_BASE = "/dev/shm/megatrace"
+
+
+def has_rings(path: str) -> bool:
+    try:
+        return any(TRACE_FILE_RE.match(n) for n in os.listdir(path))
+    except OSError:
+        return False
+
+
+def job_ring_dirs(job_id: str | None, base: str = SHM_BASE) -> list[str]:
+    """Every ``<base>/<job>`` and ``<base>/<job>.<step>`` holding ring files, newest first."""
+    if not job_id:
+        return []
+    try:
+        names = [n for n in os.listdir(base) if n == job_id or n.startswith(job_id + ".")]
+    except OSError:
+        return []
+
+    def mtime(name: str) -> float:
+        try:
+            return os.stat(os.path.join(base, name), follow_symlinks=False).st_mtime
+        except OSError:
+            return 0.0
+    paths = [os.path.join(base, n) for n in sorted(names, key=mtime, reverse=True)]
+    return [p for p in paths if has_rings(p)]
+
+
+def default_ring_dir(job_id: str | None = None) -> str | None:
+    """``$MEGATRACE_DIR`` when it holds rings, else the newest ``/dev/shm/megatrace/<job>[.<step>]`` that does.
+
+    (Under the SPANK plugin, the collector's and the agent's own steps get a ``MEGATRACE_DIR`` of their
+    own, empty step: the training step's directory is then found by the job id.)
+    """
+    env = os.environ.get("MEGATRACE_DIR")
+    if env and has_rings(env):
+        return env
+    job = job_id or os.environ.get("MEGATRACE_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    found = job_ring_dirs(job)
+    return found[0] if found else env
+
+
+def describe_ring(name: str, blob: bytes) -> dict[str, Any]:
+    """Header facts of one ring file's bytes; problems (corrupt, truncated) are described, never raised."""
+    from megatrace.trace.ring_reader import RingFormatError, parse_header
+
+    out: dict[str, Any] = {"file": name, "bytes": len(blob)}
+    try:
+        header, problems = parse_header(name, blob[:fmt.HEADER_SIZE], len(blob))
+    except RingFormatError as exc:
+        out["error"] = str(exc)
+        return out
+    expected = fmt.file_size(header.capacity)
+    out.update(rank=header.rank, local_rank=header.local_rank, world_size=header.world_size, pid=header.pid,
+               host=header.host, job_id=header.job_id, step_id=header.step_id, capacity=header.capacity,
+               write_counter=header.write_counter, closed=header.closed_cleanly,
+               anchor_mono_ns=header.anchor_mono_ns, anchor_wall_ns=header.anchor_wall_ns,
+               problems=[str(p) for p in problems])
+    if len(blob) < expected:
+        out["problems"].append(f"{name}: truncated: {len(blob)} of {expected} bytes")
+    elif len(blob) > expected:
+        out["problems"].append(f"{name}: {len(blob) - expected} bytes longer than its capacity says")
+    return out
+
+
+def read_trace_dir(ring_dir: str) -> tuple[dict[str, bytes], list[dict[str, str]]]:
+    """(files, skipped): every trace file of ``ring_dir``; what could not be read is in ``skipped``."""
+    files: dict[str, bytes] = {}
+    skipped: list[dict[str, str]] = []
+    dfd = safefs.open_dir(ring_dir)
+    try:
+        for name in safefs.list_dir(dfd):
+            m = TRACE_FILE_RE.match(name)
+            if not m:
+                continue
+            limit = RING_LIMIT if m.group(2) == "ring" else META_LIMIT
+            try:
+                files[name] = safefs.read_file(dfd, name, limit)
+            except OSError as exc:
+                skipped.append({"name": name, "reason": exc.strerror or str(exc)})
+    finally:
+        os.close(dfd)
+    return files, skipped
+
+
+def rank_prefix(name: str) -> str:
+    """``rank-00003`` of ``rank-00003.ring.1`` / ``rank-00003.meta.jsonl``: the files of one rank."""
+    return name.split(".", 1)[0]
+
+
+def foreign_files(hosts: dict[str, str], node: str) -> set[str]:
+    """Ring-file prefixes written on other nodes, when a trace directory is shared by several (pure).
+
+    ``hosts``: ring file name -> host in its header. Several virtual Slurm nodes on one machine share
+    ``/dev/shm``, so each node's collector sees every node's rings; the header's host (the writer's
+    ``SLURMD_NODENAME``) tells which are its own. When no ring names this node (host names that are not
+    node names), every ring is kept.
+    """
+    mine = {rank_prefix(f) for f, h in hosts.items() if h == node}
+    if not mine:
+        return set()
+    return {rank_prefix(f) for f in hosts} - mine
+
+
+_STATE_NAMES = {"R": "running", "S": "sleeping", "D": "uninterruptible (disk/driver wait)", "Z": "zombie",
+                "T": "stopped", "t": "traced", "X": "dead", "I": "idle"}
+
+
+def _read_proc(pid: int, name: str) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as fh:
+            return fh.read(1 << 16)
+    except OSError:
+        return None
+
+
+def process_facts(pid: int, ring_anchor_mono_ns: int | None = None) -> dict[str, Any]:
+    """State of process ``pid`` from /proc; ``alive`` False when it is gone (or is a reused pid)."""
+    stat_raw = _read_proc(pid, "stat")
+    if pid <= 0 or stat_raw is None:
+        return {"pid": pid, "alive": False}
+    text = stat_raw.decode("utf-8", "replace")
+    rest = text[text.rfind(")") + 2:].split()
+    out: dict[str, Any] = {"pid": pid, "alive": True, "state": rest[0] if rest else "?"}
+    out["state_name"] = _STATE_NAMES.get(out["state"], out["state"])
+    try:
+        start_ns = int(rest[19]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        out["start_ns"] = start_ns
+        # The writer made its ring after it started; a process younger than the ring is someone else.
+        if ring_anchor_mono_ns is not None and start_ns > ring_anchor_mono_ns + 2_000_000_000:
+            return {"pid": pid, "alive": False, "note": "pid reused by a process that started after the ring"}
+    except (IndexError, ValueError, OSError):
+        pass
+    wchan = _read_proc(pid, "wchan")
+    if wchan:
+        out["wchan"] = wchan.decode("utf-8", "replace")
+    cmd = _read_proc(pid, "cmdline")
+    if cmd:
+        out["cmdline"] = cmd.replace(b"\x00", b" ").decode("utf-8", "replace").strip()[:512]
+    status = _read_proc(pid, "status")
+    if status:
+        for line in status.decode("utf-8", "replace").splitlines():
+            if line.startswith(("Threads:", "VmRSS:")):
+                key, _, value = line.partition(":")
+                out[key.lower()] = value.strip()
+    return out
+
+
+def gpu_facts() -> dict[str, Any]:
+    """An NVML snapshot of the node's GPUs, or why there is none."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return {"available": False, "reason": "pynvml is not installed"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound and friends: no driver here
+        return {"available": False, "reason": f"NVML: {exc}"}
+    devices = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            dev: dict[str, Any] = {"index": i}
+            probes = {
+                "name": lambda: pynvml.nvmlDeviceGetName(h),
+                "uuid": lambda: pynvml.nvmlDeviceGetUUID(h),
+                "pci_bus_id": lambda: pynvml.nvmlDeviceGetPciInfo(h).busId,
+                "temperature_c": lambda: pynvml.nvmlDeviceGetTemperature(h, 0),
+                "utilization_gpu_pct": lambda: pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                "memory_used_bytes": lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used,
+                "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                "compute_pids": lambda: [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)],
+                "ecc_uncorrected_volatile": lambda: pynvml.nvmlDeviceGetTotalEccErrors(h, 1, 0),
+            }
+            for key, probe in probes.items():
+                try:
+                    value = probe()
+                    dev[key] = value.decode() if isinstance(value, bytes) else value
+                except Exception as exc:  # one unsupported query must not lose the rest
+                    dev[key] = None
+                    dev.setdefault("unsupported", []).append(f"{key}: {exc}")
+            devices.append(dev)
+    except Exception as exc:
+        return {"available": False, "reason": f"NVML: {exc}", "devices": devices}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return {"available": True, "devices": devices}
+
+
+def kernel_log_facts(path: str = "/dev/kmsg") -> dict[str, Any]:
+    """Kernel-log lines about GPU Xid errors, OOM kills and hung tasks (the newest few hundred)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return {"readable": False, "reason": f"{path}: {exc.strerror}"}
+    lines: list[str] = []
+    try:
+        for _ in range(200_000):  # the ring buffer holds at most a few tens of thousands of records
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == 32:  # EPIPE: a record was overwritten while reading; go on
+                    continue
+                break
+            if not rec:
+                break
+            text = rec.decode("utf-8", "replace")
+            msg = text.split(";", 1)[-1].split("\n", 1)[0]
+            if KMSG_PATTERN.search(msg):
+                lines.append(msg)
+                del lines[:-KMSG_MAX_LINES]
+    finally:
+        os.close(fd)
+    return {"readable": True, "lines": lines}
+
+
+def _py_spy() -> str | None:
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else None
+
+
+def python_stacks(pids: list[int], timeout: float = STACK_TIMEOUT_S) -> dict[str, Any]:
+    """``py-spy dump`` of each live pid, all at once, each bounded by ``timeout``."""
+    exe = _py_spy()
+    if exe is None:
+        return {"available": False, "reason": "py-spy is not installed"}
+    procs = {}
+    out: dict[str, Any] = {"available": True, "stacks": {}}
+    for pid in pids:
+        try:
+            procs[pid] = subprocess.Popen([exe, "dump", "--pid", str(pid)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            out["stacks"][str(pid)] = f"py-spy failed: {exc.strerror}"
+    end = time.monotonic() + timeout
+    for pid, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=max(0.1, end - time.monotonic()))
+            out["stacks"][str(pid)] = text.decode("utf-8", "replace")[-20000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out["stacks"][str(pid)] = f"py-spy did not answer within {timeout:.0f} s"
+    return out
+
+
+def snapshot_node(ring_dir: str | None, node: str | None = None, stacks: bool = True,
+                  system: bool = True) -> NodeSnapshot:
+    """Read this node's trace files and facts. Never raises for bad input: problems go into the facts.
+
+    ``system=False`` skips NVML and the kernel log (tests).
+    """
+    node = node or node_name()
+    snap = NodeSnapshot(node)
+    facts: dict[str, Any] = {"node": node, "hostname": socket.gethostname(), "ring_dir": ring_dir,
+                             "time_wall_ns": time.time_ns(), "time_mono_ns": time.monotonic_ns(),
+                             "collector_pid": os.getpid(), "uid": os.geteuid()}
+    snap.facts = facts
+    if ring_dir is None:
+        snap.error = "no trace directory (give --ring-dir, or set MEGATRACE_DIR or SLURM_JOB_ID)"
+    else:
+        try:
+            snap.files, facts["skipped"] = read_trace_dir(ring_dir)
+        except OSError as exc:
+            snap.error = f"{ring_dir}: {exc.strerror or exc}"
+    if snap.error:
+        facts["error"] = snap.error
+    rings = [describe_ring(name, blob) for name, blob in sorted(snap.files.items())
+             if TRACE_FILE_RE.match(name).group(2) == "ring"]  # type: ignore[union-attr]
+    foreign = foreign_files({r["file"]: r["host"] for r in rings if "host" in r}, node)
+    if foreign:
+        snap.files = {n: b for n, b in snap.files.items() if rank_prefix(n) not in foreign}
+        rings = [r for r in rings if rank_prefix(r["file"]) not in foreign]
+        facts["other_nodes_rings"] = len(foreign)  # in a trace directory shared with other nodes: theirs
+    facts["rings"] = rings
+    procs = {}
+    for ring in rings:
+        pid = ring.get("pid")
+        if isinstance(pid, int) and pid > 0 and str(pid) not in procs:
+            procs[str(pid)] = process_facts(pid, ring.get("anchor_mono_ns"))
+    facts["procs"] = procs
+    if system:
+        facts["gpu"] = gpu_facts()
+        facts["kernel_log"] = kernel_log_facts()
+    live = [int(p) for p, f in procs.items() if f.get("alive")]
+    if stacks and live:
+        facts["python_stacks"] = python_stacks(live)
+    return snap

@@ -1,0 +1,11 @@
+"""The local Slurm lab: munge, slurmctld and N slurmd on this host, with the MegaTrace plugin, prolog and epilog.
+
+``megatrace lab up|down|status``; one module per concern: :mod:`.paths` (where
+things live), :mod:`.install` (packages, plugin, scripts), :mod:`.slurmconf`
+(configuration files), :mod:`.daemons` (start, stop, status by recorded pid) and
+:mod:`.demo` (the demo job under ``sbatch --megatrace``).
+"""
+
+
+class LabError(RuntimeError):
+    """The lab cannot be brought up, down or used; the message says why."""

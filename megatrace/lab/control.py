@@ -1,0 +1,65 @@
+"""``lab up``, ``lab down`` and ``lab status``: the facade over install, configuration and daemons."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Callable
+
+from megatrace.lab import LabError
+from megatrace.lab import daemons as dm
+from megatrace.lab import install, slurmconf
+from megatrace.lab.paths import LabPaths
+from megatrace.lab.slurmconf import LabSpec
+
+Log = Callable[[str], None]
+
+
+def _require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise LabError(f"`megatrace lab {what}` runs Slurm daemons and installs packages: run it as root")
+
+
+def up(spec: LabSpec, paths: LabPaths, log: Log, skip_install: bool = False) -> dict:
+    """Install what is missing, write the configuration, start what is not running. Idempotent."""
+    _require_root("up")
+    state = dm.load_state(paths)
+    running = [d for d in dm.recorded(state) if d.alive()]
+    if running and state.get("nodes") not in (None, spec.nodes):
+        raise LabError(f"the lab is up with {state['nodes']} nodes; run `megatrace lab down` first")
+    if not skip_install:
+        install.install_all(paths, log)
+    conf_changed = slurmconf.install_slurm_conf(spec, paths)
+    slurmconf.install_site_conf(paths)
+    state["nodes"] = spec.nodes
+    state["root"] = str(paths.root)
+    dm.save_state(paths, state)
+    dm.start_munge(paths, state, log)
+    ctld_was_up = any(d.name == "slurmctld" and d.alive() for d in dm.recorded(state))
+    dm.start_slurm(spec, paths, state, log)
+    if ctld_was_up and conf_changed:
+        subprocess.run(["scontrol", "reconfigure"], capture_output=True)
+    dm.wait_nodes_idle(spec, paths, log)
+    return status(paths)
+
+
+def down(paths: LabPaths, log: Log) -> list[str]:
+    """Stop what `up` started (by recorded pid), nothing else."""
+    _require_root("down")
+    return dm.stop_all(paths, dm.load_state(paths), log)
+
+
+def status(paths: LabPaths) -> dict:
+    state = dm.load_state(paths)
+    spec = LabSpec(nodes=state.get("nodes") or 0)
+    daemons = [{"name": d.name, "pid": d.pid, "running": d.alive()} for d in dm.recorded(state)]
+    up_ = bool(daemons) and all(d["running"] for d in daemons)
+    nodes = dm.node_states(spec) if up_ and spec.nodes else {}
+    return {"up": up_, "root": str(paths.root), "nodes": nodes, "daemons": daemons}
+
+
+def require_up(paths: LabPaths) -> dict:
+    st = status(paths)
+    if not st["up"]:
+        raise LabError("the lab is not up: run `megatrace lab up` (as root)")
+    return st

@@ -1,0 +1,104 @@
+"""``megatrace lab demo``: the demo job under ``sbatch --megatrace`` on the lab, then its analysis.
+
+A batch script runs ``srun -N4 -n8 --overcommit python -m megatrace.demo`` (the
+demo worker takes rank and world from SLURM_PROCID / SLURM_NTASKS) with an
+injected hang; the hung rank's peers give up after the gloo timeout, srun ends
+the step, the epilog brings every node's rings into the job directory, and the
+analysis names the culprit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from megatrace.lab import LabError
+
+Log = Callable[[str], None]
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE", "PREEMPTED"}
+
+
+@dataclass(frozen=True)
+class LabDemo:
+    nodes: int = 4
+    ranks: int = 8
+    tp: int = 2
+    pp: int = 2
+    steps: int = 20
+    fault: str = "hang:rank=5,step=3"
+    comm_timeout_s: int = 30  # the hung rank's peers give up after this (gloo timeout)
+    timeout_s: float = 600.0
+
+
+def batch_script(demo: LabDemo) -> str:
+    dp = demo.ranks // (demo.tp * demo.pp)
+    return f"""#!/bin/bash
+# The MegaTrace demo job under Slurm (written by `megatrace lab demo`).
+# Rank and world come from SLURM_PROCID / SLURM_NTASKS; every virtual node is this host.
+export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) OMP_NUM_THREADS=1
+out="${{MEGATRACE_OUT_DIR:-$SLURM_SUBMIT_DIR/megatrace-$SLURM_JOB_ID}}/step-0"
+srun -N{demo.nodes} -n{demo.ranks} --overcommit --kill-on-bad-exit=1 \\
+    {sys.executable} -m megatrace.demo --tp {demo.tp} --pp {demo.pp} --dp {dp} --steps {demo.steps} \\
+    --fault {demo.fault} --comm-timeout {demo.comm_timeout_s} -o "$out"
+echo "megatrace demo: srun exited with status $?; traces in $out"
+"""
+
+
+def _job_state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+    return fields.get("JobState", "UNKNOWN")
+
+
+def wait_for_job(job: str, timeout: float, log: Log) -> str:
+    until = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < until:
+        state = _job_state(job)
+        if state != last:
+            log(f"lab demo: job {job} {state}")
+            last = state
+        if state in TERMINAL:
+            return state
+        time.sleep(1.0)
+    subprocess.run(["scancel", job], capture_output=True)
+    raise LabError(f"job {job} did not finish within {timeout:g} s; cancelled")
+
+
+def run(demo: LabDemo, workdir: Path, log: Log) -> Path:
+    """Submit, wait, analyze; return the trace directory (findings.json, report.html inside)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    script = workdir / "megatrace-demo.sbatch"
+    script.write_text(batch_script(demo))
+    proc = subprocess.run(["sbatch", "--parsable", "--megatrace=hang-timeout=60,on-hang=report",
+                           f"-N{demo.nodes}", f"-n{demo.ranks}", "--overcommit", "-J", "megatrace-demo",
+                           "-o", "megatrace-demo-%j.out", str(script)], cwd=workdir, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LabError(f"sbatch failed: {proc.stderr.strip()}")
+    job = proc.stdout.strip().split(";")[0]
+    log(f"lab demo: sbatch --megatrace -N{demo.nodes} -n{demo.ranks} --overcommit {script.name}: job {job} "
+        f"(fault {demo.fault})")
+    state = wait_for_job(job, demo.timeout_s, log)
+    trace_dir = workdir / f"megatrace-{job}" / "step-0"
+    rings = list((trace_dir / "rings").glob("rank-*.ring"))
+    if not rings:
+        raise LabError(f"job {job} ended {state} without rings in {trace_dir / 'rings'}; "
+                       f"see {workdir / f'megatrace-demo-{job}.out'}")
+    log(f"lab demo: job {job} {state}; {len(rings)} rings in {trace_dir / 'rings'}")
+    megatrace = shutil.which("megatrace", path=str(Path(sys.executable).parent)) or "megatrace"
+    analysis = subprocess.run([megatrace, "analyze", str(trace_dir)])
+    if analysis.returncode not in (0, 3):
+        raise LabError(f"megatrace analyze {trace_dir} failed (exit {analysis.returncode})")
+    findings = trace_dir / "findings.json"
+    if (trace_dir / "report.html").exists():
+        return trace_dir / "report.html"
+    report = subprocess.run([megatrace, "report", str(findings)], capture_output=True, text=True)
+    if report.returncode == 0 and (trace_dir / "report.html").exists():
+        return trace_dir / "report.html"
+    return findings

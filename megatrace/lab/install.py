@@ -1,0 +1,103 @@
+"""Install what the lab needs and is missing: Debian packages, the MPI wheels, the plugin, prolog and epilog."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from megatrace.lab import LabError
+from megatrace.lab.paths import LabPaths, repo_root
+
+# Debian package -> a file that proves it is installed.
+APT_PACKAGES = {
+    "slurmctld": "/usr/sbin/slurmctld",
+    "slurm-client": "/usr/bin/sbatch",
+    "slurmd": "/usr/sbin/slurmd",
+    "libslurm-dev": "/usr/include/slurm/spank.h",
+    "munge": "/usr/sbin/munged",
+    "make": "/usr/bin/make",
+    "gcc": "/usr/bin/cc",
+}
+# Python distribution -> pip requirement (the `mpi` extra): MPICH wheels work with `srun --mpi=pmi2`.
+PIP_PACKAGES = {"mpi4py": "mpi4py>=3.1", "mpich": "mpich"}
+
+Log = Callable[[str], None]
+
+
+def _run(argv: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+    """Run a helper; its output is shown only when it fails."""
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise LabError(f"{what} failed (exit {proc.returncode}): {' '.join(argv)}\n{tail}")
+
+
+def missing_apt() -> list[str]:
+    return [pkg for pkg, proof in APT_PACKAGES.items() if not os.path.exists(proof)]
+
+
+def ensure_apt(log: Log) -> None:
+    missing = missing_apt()
+    if not missing:
+        return
+    if not shutil.which("apt-get"):
+        raise LabError(f"missing {', '.join(missing)} and no apt-get: install them with your package manager")
+    log(f"lab: apt-get install {' '.join(missing)}")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    _run(["apt-get", "update", "-qq"], "apt-get update", env=env)
+    _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], "apt-get install", env=env)
+
+
+def missing_pip() -> list[str]:
+    missing = []
+    for dist, req in PIP_PACKAGES.items():
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(req)
+    return missing
+
+
+def ensure_pip(log: Log) -> None:
+    missing = missing_pip()
+    if not missing:
+        return
+    log(f"lab: pip install {' '.join(missing)} (into {sys.prefix})")
+    _run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *missing], "pip install")
+
+
+def install_plugin(paths: LabPaths, log: Log) -> None:
+    """Build spank_plugin/ and install the .so and the plugstack.conf.d snippet."""
+    src = repo_root() / "spank_plugin"
+    if not (src / "Makefile").exists():
+        raise LabError(f"no {src}/Makefile: the lab needs a source checkout of megatrace")
+    make = ["make", "-s", "-C", str(src), f"LIBDIR={paths.libexec}", f"PLUGSTACK_DIR={paths.plugstack_dir}",
+            f"MEGATRACE_BIN={paths.megatrace_bin}", "PLUGSTACK_ARGS=hang_timeout=600 check=quick"]
+    _run(make + ["all"], "building the SPANK plugin")
+    _run(make + ["install"], "installing the SPANK plugin")
+    log(f"lab: plugin {paths.plugin}, {paths.plugstack_dir / 'megatrace.conf'}")
+
+
+def install_scripts(paths: LabPaths, log: Log) -> None:
+    """Root-owned copies of slurm/prolog and slurm/epilog (Slurm runs them as root, never from the checkout)."""
+    src = repo_root() / "slurm"
+    paths.libexec.mkdir(parents=True, exist_ok=True)
+    for name, dest in (("prolog", paths.prolog), ("epilog", paths.epilog)):
+        tmp = dest.with_name(f".{name}.tmp")
+        shutil.copyfile(src / name, tmp)
+        os.chown(tmp, 0, 0)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dest)
+    log(f"lab: prolog {paths.prolog}, epilog {paths.epilog}")
+
+
+def install_all(paths: LabPaths, log: Log) -> None:
+    ensure_apt(log)
+    ensure_pip(log)
+    install_plugin(paths, log)
+    install_scripts(paths, log)

@@ -1,0 +1,242 @@
+"""The collector: real rings of a demo hang spread over four emulated nodes, gathered by a real mpiexec.
+
+Each MPI process of ``mpiexec`` plays one node: its own node name (``-env
+MEGATRACE_NODE_NAME``) and ring directory (``--ring-dir DIR/%n``). One demo run
+(module fixture, ~15 s) provides the rings; every mpiexec run has a timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrace.collect.run import CollectOptions, collect_local
+
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
+NODES = ["n1", "n2", "n3", "n4"]
+HUNG_RANK = 3
+# tp1 x pp2 x dp2: rank 3 (last stage of the second replica) stops in a forward.
+DEMO = ["--ranks", "4", "--tp", "1", "--pp", "2", "--dp", "2", "--steps", "4", "--fault",
+        f"hang:rank={HUNG_RANK},step=2", "--stall-timeout", "6", "--deadline", "240"]  # a loaded CI host is slow
+
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec (make install: the mpich wheel) not available")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real demo run with an injected hang (rings of 4 ranks)."""
+    pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run([str(BIN / "megatrace"), "demo", *DEMO, "-o", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert (out / "rings" / "rank-00003.ring").exists(), proc.stderr[-2000:]
+    # the injected hang happened (not the deadline, on a very loaded host): the launcher saw the stall
+    assert json.loads((out / "procs.json").read_text())["outcome"] == "stalled", proc.stderr[-2000:]
+    return out
+
+
+def _demo_verdict(demo: Path) -> str:
+    """What the analysis says of the demo's own directory (for a failure message)."""
+    return subprocess.run([str(BIN / "megatrace"), "analyze", str(demo), "--json", str(demo.parent / "direct.json")],
+                          capture_output=True, text=True, timeout=120).stdout[:600]
+
+
+def _spread(demo: Path, base: Path) -> Path:
+    """The demo's rings on four node directories: ranks 0..3 on n1..n4."""
+    for rank, node in enumerate(NODES):
+        d = base / node
+        d.mkdir(parents=True)
+        for suffix in ("ring", "meta.jsonl"):
+            shutil.copy2(demo / "rings" / f"rank-{rank:05d}.{suffix}", d)
+    return base
+
+
+def _mpiexec(ring_base: Path, job_dir: Path, extra: list[str], per_node: dict[str, list[str]] | None = None,
+             flags: list[str] | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
+    """mpiexec with one process per emulated node (MPMD: each gets its node name)."""
+    cmd = [MPIEXEC, *(flags or [])]
+    for i, node in enumerate(NODES):
+        argv = (per_node or {}).get(node) or [str(BIN / "megatrace"), "collect", "--ring-dir", f"{ring_base}/%n",
+                                              "--job-dir", str(job_dir), "--job-id", "77", "--no-system",
+                                              "--group-size", "2", *extra]
+        cmd += ([":"] if i else []) + ["-n", "1", "-env", "MEGATRACE_NODE_NAME", node, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_four_nodes_gather_every_ring_byte_for_byte_and_the_analysis_names_the_hung_rank(demo: Path,
+                                                                                          tmp_path: Path) -> None:
+    base = _spread(demo, tmp_path / "nodes")
+    job = tmp_path / "job"
+    job.mkdir()
+    proc = _mpiexec(base, job, ["--trigger", "hang", "--timeout", "30", "--nodes", "n[1-4]", "--layout",
+                                str(demo / "layout.yaml")])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    bundle = job / "megatrace-77"
+    doc = json.loads((bundle / "collection.json").read_text())
+    assert doc["nodes"]["collected"] == NODES and doc["nodes"]["missing"] == []
+    assert doc["ranks"] == {"world_size": 4, "collected": 4, "missing": []}
+    for rank, node in enumerate(NODES):
+        for suffix in ("ring", "meta.jsonl"):
+            name = f"rank-{rank:05d}.{suffix}"
+            assert _sha(bundle / "rings" / name) == _sha(base / node / name), name
+        facts = json.loads((bundle / "nodes" / f"{node}.json").read_text())
+        assert facts["node"] == node and facts["rings"][0]["rank"] == rank
+        assert str(facts["rings"][0]["pid"]) in facts["procs"]  # the demo's ranks are gone: alive False
+    procs = json.loads((bundle / "procs.json").read_text())
+    assert procs["outcome"] == "stalled" and set(procs["ranks"]) == {"0", "1", "2", "3"}
+    findings = json.loads((bundle / "findings.json").read_text())
+    assert findings["findings"][0]["subject"]["rank"] == HUNG_RANK, (findings["verdict"], _demo_verdict(demo))
+    assert doc["analysis"]["verdict_finding"]["subject"]["rank"] == HUNG_RANK
+    assert findings["trace"]["layout"]["dp"] == 2  # the layout given with --layout reached the analysis
+    assert f"rank {HUNG_RANK}" in proc.stdout
+    # a second collection of the same job does not overwrite the first
+    proc = _mpiexec(base, job, ["--trigger", "end", "--timeout", "30", "--analysis", "none"])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((job / "megatrace-77.1" / "collection.json").read_text())["trigger"]["reason"] == "end"
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_a_node_that_dies_before_the_gather_is_named_missing_and_the_rest_is_analysed(demo: Path,
+                                                                                    tmp_path: Path) -> None:
+    base = _spread(demo, tmp_path / "nodes")
+    job = tmp_path / "job"
+    job.mkdir()
+    # MPI rank 3 (node n4, a member of leader 2's group) joins MPI and crashes before sending anything.
+    crash = [sys.executable, "-c", "import os; from mpi4py import MPI; os._exit(3)"]
+    proc = _mpiexec(base, job, ["--timeout", "8", "--nodes", "n[1-4]"], per_node={"n4": crash},
+                    flags=["-disable-auto-cleanup"], timeout=60)
+    bundle = job / "megatrace-77"
+    doc = json.loads((bundle / "collection.json").read_text())
+    assert doc["nodes"]["collected"] == ["n1", "n2", "n3"], proc.stderr
+    assert [m["node"] for m in doc["nodes"]["missing"]] == ["n4"]
+    assert doc["mpi_ranks_missing"][0]["mpi_rank"] == 3
+    assert doc["ranks"]["missing"] == [3]
+    findings = json.loads((bundle / "findings.json").read_text())
+    assert findings["trace"]["missing_ranks"] == [3]
+    assert findings["findings"], "the three collected ranks are still analysed"
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_unreadable_linked_and_corrupt_inputs_are_reported_and_never_crash_the_collector(demo: Path,
+                                                                                        tmp_path: Path) -> None:
+    base = _spread(demo, tmp_path / "nodes")
+    job = tmp_path / "job"
+    job.mkdir()
+    # n2: its ring directory is a symbolic link owned by a user: refused (the collector may run as root).
+    os.rename(base / "n2", tmp_path / "n2-real")
+    os.symlink(tmp_path / "n2-real", base / "n2")
+    if os.geteuid() == 0:  # as a user, the link is already the user's own
+        os.lchown(base / "n2", 4242, 4242)
+    # n3: a truncated ring, a ring with a bad magic, and a link to a file outside.
+    ring = base / "n3" / "rank-00002.ring"
+    full = ring.read_bytes()
+    ring.write_bytes(full[:len(full) // 3])
+    (base / "n3" / "rank-00009.ring").write_bytes(b"garbage" * 100)
+    secret = tmp_path / "secret"
+    secret.write_text("root only")
+    os.symlink(secret, base / "n3" / "rank-00010.meta.jsonl")
+    proc = _mpiexec(base, job, ["--timeout", "20"])
+    assert proc.returncode in (0, 9) or "Traceback" not in proc.stderr, proc.stderr
+    bundle = job / "megatrace-77"
+    doc = json.loads((bundle / "collection.json").read_text())
+    missing = {m["node"]: m["reason"] for m in doc["nodes"]["missing"]}
+    assert "symbolic link" in missing["n2"], missing
+    assert (bundle / "rings" / "rank-00002.ring").read_bytes() == full[:len(full) // 3]  # carried as it was
+    assert (bundle / "rings" / "rank-00009.ring").read_bytes() == b"garbage" * 100
+    assert not (bundle / "rings" / "rank-00010.meta.jsonl").exists()
+    problems = "\n".join(doc["problems"])
+    assert "truncated" in problems and "rank-00009.ring" in problems and "rank-00010.meta.jsonl" in problems
+    assert doc["analysis"]["ran"] and "error" not in doc["analysis"], doc["analysis"]
+
+
+@pytest.mark.slow
+def test_local_collection_copies_this_nodes_rings_without_mpi(demo: Path, tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    job.mkdir()
+    opts = CollectOptions(job_dir=str(job), job_id="5", ring_dir=str(demo / "rings"), node="solo", trigger="end",
+                          system=False, stacks=False, layout=str(demo / "layout.yaml"))
+    doc = collect_local(opts)
+    bundle = job / "megatrace-5"
+    assert (bundle / "layout.yaml").read_bytes() == (demo / "layout.yaml").read_bytes()
+    assert json.loads((bundle / "findings.json").read_text())["trace"]["layout"]["pp"] == 2
+    for ring in (demo / "rings").iterdir():
+        assert (bundle / "rings" / ring.name).read_bytes() == ring.read_bytes()
+    assert doc["nodes"]["collected"] == ["solo"] and doc["ranks"]["collected"] == 4
+    assert json.loads((bundle / "findings.json").read_text())["findings"][0]["subject"]["rank"] == HUNG_RANK
+
+
+@pytest.mark.parametrize("command", ["collect", "agent"])
+def test_help_lists_examples(command: str) -> None:
+    from click.testing import CliRunner
+
+    from megatrace.cli import main
+
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert result.exit_code == 0 and "Examples:" in result.output
+
+
+@pytest.mark.slow
+def test_local_runs_on_each_node_fill_one_bundle_and_the_last_one_finishes_it(demo: Path, tmp_path: Path) -> None:
+    base = _spread(demo, tmp_path / "nodes")
+    job = tmp_path / "job"
+    job.mkdir()
+    docs = []
+    for node in NODES:  # one epilog per node, one after the other
+        opts = CollectOptions(job_dir=str(job), job_id="8", ring_dir=str(base / node), node=node, trigger="end",
+                              system=False, stacks=False, expected_nodes=NODES)
+        docs.append(collect_local(opts))
+    assert docs[0]["waiting_for"] == ["n2", "n3", "n4"] and "nodes" not in docs[2]
+    final = docs[-1]
+    assert final["nodes"]["collected"] == NODES and final["ranks"]["collected"] == 4
+    assert json.loads((job / "megatrace-8" / "collection.json").read_text())["nodes"]["missing"] == []
+    assert json.loads((job / "megatrace-8" / "findings.json").read_text())["findings"][0]["subject"]["rank"] \
+        == HUNG_RANK
+    again = collect_local(CollectOptions(job_dir=str(job), job_id="8", ring_dir=str(base / "n1"), node="n1",
+                                         system=False, stacks=False, expected_nodes=NODES))
+    assert "nodes" not in again  # finished once; a late duplicate epilog adds nothing
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_eight_nodes_in_uneven_leader_groups_all_arrive(tmp_path: Path) -> None:
+    from megatrace.trace.ring_writer import RingIdentity, RingWriter
+
+    nodes = [f"m{r}" for r in range(8)]
+    for r, node in enumerate(nodes):
+        w = RingWriter(tmp_path / node, RingIdentity(rank=r, world_size=8, job_id="s", host=node), capacity=64,
+                       use_native=False)
+        w.write_meta("group", gid=1, name="0", desc="default_pg", ranks=list(range(8)), backend="gloo")
+        for i in range(20):
+            w.complete(w.begin(1, 1, i + 1, 4))
+        w.close()
+    job = tmp_path / "job"
+    job.mkdir()
+    cmd = [MPIEXEC]
+    for i, node in enumerate(nodes):  # groups of 3: leaders 0, 3, 6
+        cmd += ([":"] if i else []) + ["-n", "1", "-env", "MEGATRACE_NODE_NAME", node, str(BIN / "megatrace"),
+                                       "collect", "--ring-dir", f"{tmp_path}/%n", "--job-dir", str(job), "--job-id",
+                                       "s", "--no-system", "--no-stacks", "--group-size", "3", "--timeout", "30",
+                                       "--analysis", "none"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((job / "megatrace-s" / "collection.json").read_text())
+    assert doc["nodes"]["collected"] == nodes and doc["ranks"]["collected"] == 8
+    for r, node in enumerate(nodes):
+        name = f"rank-{r:05d}.ring"
+        assert (job / "megatrace-s" / "rings" / name).read_bytes() == (tmp_path / node / name).read_bytes()

@@ -1,0 +1,48 @@
+"""Slurm glue: host lists, the collector's and the agent's srun lines, on-hang actions."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatrace.collect.slurm import agent_command, collect_command, expand_hostlist, hang_action
+
+
+def test_slurm_host_lists_expand_like_scontrol() -> None:
+    assert expand_hostlist("n[1-3],gpu[08-10,12],login") == ["n1", "n2", "n3", "gpu08", "gpu09", "gpu10", "gpu12",
+                                                              "login"]
+    assert expand_hostlist("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
+    with pytest.raises(ValueError):
+        expand_hostlist("n[1-")
+
+
+def test_the_srun_line_overlaps_the_hung_step_with_one_pmi2_task_per_node() -> None:
+    cmd = collect_command("1234", "/home/a/run", trigger="hang", nodes=4, python="/venv/bin/python")
+    assert cmd[:6] == ["srun", "--jobid=1234", "--overlap", "--mpi=pmi2", "--ntasks-per-node=1",
+                       "--kill-on-bad-exit=0"]
+    assert "--nodes=4" in cmd and cmd[cmd.index("--trigger") + 1] == "hang"
+    assert cmd[cmd.index("/venv/bin/python"):][:4] == ["/venv/bin/python", "-m", "megatrace.cli", "collect"]
+
+
+def test_the_agent_srun_line_runs_one_agent_per_node() -> None:
+    cmd = agent_command("7", "/job", hang_timeout_s=120, on_hang="requeue", nodes=2, python="py")
+    assert cmd[:4] == ["srun", "--jobid=7", "--overlap", "--ntasks-per-node=1"]
+    assert cmd[cmd.index("py"):][:4] == ["py", "-m", "megatrace.cli", "agent"]
+    assert cmd[cmd.index("--on-hang") + 1] == "requeue"
+
+
+def test_on_hang_actions_outside_slurm_do_nothing() -> None:
+    assert "keeps running" in hang_action("report", "1", env={})
+    assert "skipped" in hang_action("cancel", None, env={})
+    assert "skipped" in hang_action("requeue", "local", env={"SLURM_JOB_ID": "5"})
+    with pytest.raises(ValueError):
+        hang_action("reboot", "1", env={})
+
+
+def test_without_mpi4py_the_collector_says_to_use_local(monkeypatch, tmp_path) -> None:
+    import sys
+
+    from megatrace.collect.run import CollectError, CollectOptions, collect_mpi
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(CollectError, match="--local"):
+        collect_mpi(CollectOptions(job_dir=str(tmp_path)))

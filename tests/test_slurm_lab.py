@@ -1,0 +1,384 @@
+"""The SPANK plugin, prolog and epilog against real Slurm daemons: the local lab (4 virtual nodes).
+
+A session fixture runs ``megatrace lab up`` (or reuses a lab that is up); every
+test submits real jobs and waits for them with timeouts. The last test brings
+the lab down and checks that no daemon it started is left.
+
+Without root (a developer machine) these tests skip, unless CI is set: then they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+MEGATRACE = str(Path(sys.executable).parent / "megatrace")
+PYTHON = sys.executable
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE", "PREEMPTED"}
+TEST_USER = "mtlabuser"
+FAIL_FILE = Path("/etc/megatrace/fail-preflight-n2")
+
+
+def _run(argv: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """The submitting environment without any MEGATRACE*/SLURM* variable of the test process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE", "SLURM_", "SPANK_"))}
+    env.update(extra)
+    return env
+
+
+# The `lab` fixture (a session fixture: `megatrace lab up`, or the lab that is up) is in tests/conftest.py.
+
+
+def sbatch(script: str, cwd: Path, *args: str, env: dict[str, str] | None = None,
+           user: str | None = None) -> subprocess.CompletedProcess:
+    path = cwd / "job.sh"
+    path.write_text("#!/bin/bash\n" + script)
+    path.chmod(0o755)
+    argv = ["sbatch", "--parsable", "-o", str(cwd / "out-%j.txt"), *args, str(path)]
+    if user:
+        argv = ["runuser", "-u", user, "--", *argv]
+    return _run(argv, cwd=cwd, env=env or _clean_env())
+
+
+def submit(script: str, cwd: Path, *args: str, **kw) -> str:
+    proc = sbatch(script, cwd, *args, **kw)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def wait_job(job_id: str, timeout: float = 180) -> dict[str, str]:
+    """Until the job is finished and its epilogs are done (not COMPLETING)."""
+    until = time.monotonic() + timeout
+    info: dict[str, str] = {}
+    while time.monotonic() < until:
+        info = job_info(job_id)
+        if info.get("JobState") in TERMINAL and "COMPLETING" not in info.get("Reason", ""):
+            # Epilogs of every node are done once no node is still completing this job.
+            if not _run(["squeue", "-h", "-j", job_id, "-t", "CG"]).stdout.strip():
+                return info
+        time.sleep(0.5)
+    _run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} not finished after {timeout:g} s: {info}")
+
+
+def output(cwd: Path, job_id: str) -> str:
+    return (cwd / f"out-{job_id}.txt").read_text()
+
+
+def node_state(node: str) -> tuple[str, str]:
+    out = _run(["sinfo", "-h", "-N", "-n", node, "-o", "%T|%E"]).stdout.strip().splitlines()
+    state, _, reason = out[0].partition("|")
+    return state, reason
+
+
+# -- the option ------------------------------------------------------------------------------
+
+def test_sbatch_help_lists_the_megatrace_option(lab):
+    for tool in ("sbatch", "salloc", "srun"):
+        out = _run([tool, "--help"]).stdout
+        assert "--megatrace" in out, tool
+        assert "hang-timeout=SECONDS" in out and "on-hang=report|cancel|requeue" in out
+
+
+def test_a_malformed_option_is_rejected_at_submission_with_a_clear_message(lab, tmp_path):
+    proc = sbatch("true\n", tmp_path, "--megatrace=bogus=1")
+    assert proc.returncode != 0 and not proc.stdout.strip()
+    assert "megatrace: invalid --megatrace=bogus=1: unknown key 'bogus'" in proc.stderr
+    assert "hang-timeout, dir, on-hang, check" in proc.stderr
+    proc = sbatch("true\n", tmp_path, "--megatrace=on-hang=explode")
+    assert proc.returncode != 0 and "on-hang=explode: want report, cancel or requeue" in proc.stderr
+
+
+# -- tracing every task ------------------------------------------------------------------------
+
+TORCH_STEP = f"""export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+env | grep '^MEGATRACE' | sort | sed 's/^/batch: /'
+srun {PYTHON} -c '
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=int(os.environ["SLURM_PROCID"]), world_size=int(os.environ["SLURM_NTASKS"]))
+t = torch.ones(1); dist.all_reduce(t); dist.barrier()
+print("task", os.environ["SLURM_PROCID"], os.environ["SLURMD_NODENAME"], os.environ.get("MEGATRACE_DIR"), t.item())
+dist.destroy_process_group()'
+"""
+
+
+@pytest.mark.slow
+def test_a_traced_job_writes_every_tasks_ring_into_the_job_dir(lab, tmp_path):
+    from megatrace.trace.ring_reader import read_ring
+
+    job = submit(TORCH_STEP, tmp_path, "--megatrace=hang-timeout=120,check=quick", "-N4", "-n4")
+    info = wait_job(job, timeout=240)
+    text = output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED", text
+    assert "batch: MEGATRACE_ENABLE=1" in text and "batch: MEGATRACE_HANG_TIMEOUT=120" in text
+    assert f"batch: MEGATRACE_OUT_DIR={tmp_path}/megatrace-{job}" in text
+    tasks = [line.split() for line in text.splitlines() if line.startswith("task ")]
+    assert sorted(t[2] for t in tasks) == ["n1", "n2", "n3", "n4"]
+    for _, rank, node, ring_dir, total in tasks:
+        assert ring_dir == f"/dev/shm/megatrace/job-{job}.{node}/step-0" and float(total) == 4.0
+    rings = sorted((tmp_path / f"megatrace-{job}" / "step-0" / "rings").glob("rank-*.ring"))
+    assert [p.name for p in rings] == [f"rank-{r:05d}.ring" for r in range(4)]
+    headers = [read_ring(p).header for p in rings]
+    assert [h.rank for h in headers] == [0, 1, 2, 3]
+    assert {h.world_size for h in headers} == {4}
+    assert {h.job_id for h in headers} == {job} and {h.step_id for h in headers} == {"0"}
+    assert sorted(h.host for h in headers) == ["n1", "n2", "n3", "n4"]
+    # The prolog started an agent on every node (when this megatrace has one); the epilog kept its
+    # log, cleaned the node-local copies and stopped the agents.
+    if _run([MEGATRACE, "agent", "--help"]).returncode == 0:
+        logs = sorted(p.name for p in (tmp_path / f"megatrace-{job}").glob("agent-*.log"))
+        assert logs == [f"agent-n{i}.log" for i in range(1, 5)], logs
+    assert not list(Path("/dev/shm/megatrace").glob(f"job-{job}.*"))
+    assert not list(Path("/run/megatrace").glob(f"agent-{job}.*"))
+    assert not agents_of(job)
+
+
+def agents_of(job: str) -> list[int]:
+    """Pids of `megatrace agent --job-id JOB` processes still running."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"agent" in argv and b"--job-id" in argv and argv[argv.index(b"--job-id") + 1] == job.encode():
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_job_without_the_option_gets_no_tracer_environment(lab, tmp_path):
+    job = submit("env | grep -c '^MEGATRACE' || true\nsrun -N2 -n2 bash -c 'env | grep -c ^MEGATRACE || true'\n",
+                 tmp_path, "-N2")
+    info = wait_job(job)
+    assert info["JobState"] == "COMPLETED"
+    assert output(tmp_path, job).split() == ["0", "0", "0"]
+    assert not (tmp_path / f"megatrace-{job}").exists()
+
+
+def test_megatrace_1_at_submission_traces_the_job(lab, tmp_path):
+    job = submit("srun -N2 -n2 bash -c 'echo $MEGATRACE_ENABLE $MEGATRACE_JOB_ID $MEGATRACE_STEP_ID'\n",
+                 tmp_path, "-N2", env=_clean_env(MEGATRACE="1"))
+    wait_job(job)
+    assert output(tmp_path, job).splitlines() == [f"1 {job} 0"] * 2
+    assert (tmp_path / f"megatrace-{job}").is_dir()
+    job = submit("srun bash -c 'echo $MEGATRACE_HANG_TIMEOUT $MEGATRACE_ON_HANG'\n", tmp_path,
+                 env=_clean_env(MEGATRACE_OPTS="hang-timeout=77,on-hang=cancel"))
+    wait_job(job)
+    assert output(tmp_path, job).split() == ["77", "cancel"]
+
+
+def test_megatrace_1_only_in_the_jobs_environment_still_traces_and_collects(lab, tmp_path):
+    """As through slurmrestd: sbatch (and its plugin) never sees MEGATRACE, only the job does."""
+    script = ("srun -N2 -n2 bash -c 'mkdir -p $MEGATRACE_DIR && echo x > $MEGATRACE_DIR/rank-0000$SLURM_PROCID.ring"
+              " && echo $MEGATRACE_ENABLE'\n")
+    job = submit(script, tmp_path, "-N2", "--export=ALL,MEGATRACE=1")
+    wait_job(job)
+    assert output(tmp_path, job).split() == ["1", "1"]
+    rings = tmp_path / f"megatrace-{job}" / "step-0" / "rings"
+    assert sorted(p.name for p in rings.iterdir()) == ["rank-00000.ring", "rank-00001.ring"]
+
+
+# -- prolog: preflight, drain, requeue --------------------------------------------------------
+
+def test_a_failed_preflight_drains_the_node_and_the_job_runs_on_the_others(lab, tmp_path):
+    FAIL_FILE.parent.mkdir(parents=True, exist_ok=True)
+    FAIL_FILE.write_text("drill: injected by the test suite\n")
+    os.chmod(FAIL_FILE, 0o644)
+    try:
+        job = submit("srun bash -c 'echo $SLURMD_NODENAME'\n", tmp_path, "--megatrace", "-N3")
+        until = time.monotonic() + 60
+        while "drain" not in node_state("n2")[0] and time.monotonic() < until:
+            time.sleep(0.5)
+        state, reason = node_state("n2")
+        assert "drain" in state and reason.startswith("megatrace: preflight failed"), (state, reason)
+        assert "drill: injected by the test suite" in reason
+        until = time.monotonic() + 60
+        while int(job_info(job).get("Restarts", 0)) < 1 and time.monotonic() < until:
+            time.sleep(0.5)
+        assert int(job_info(job)["Restarts"]) >= 1, job_info(job)
+        # Slurm holds a requeued job back for two minutes (Reason=BeginTime, set once the requeue
+        # is done, a moment after Restarts counts it); the lab need not wait.
+        until = time.monotonic() + 60
+        while time.monotonic() < until:
+            info = job_info(job)
+            if info.get("JobState") == "RUNNING" or info.get("JobState") in TERMINAL:
+                break
+            if info.get("Reason") == "BeginTime":
+                _run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+            time.sleep(1)
+        info = wait_job(job, timeout=120)
+        assert info["JobState"] == "COMPLETED", info
+        assert sorted(output(tmp_path, job).split()) == ["n1", "n3", "n4"]
+    finally:
+        FAIL_FILE.unlink(missing_ok=True)
+        _run(["scontrol", "update", "NodeName=n2", "State=RESUME"])
+    assert "drain" not in node_state("n2")[0]
+
+
+def test_the_health_check_drains_a_failing_node_alerts_once_and_resumes_it(lab, tmp_path):
+    """megatrace health, run as slurmd runs a HealthCheckProgram (root, on the node), against the real slurmctld."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    import threading
+
+    got: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    alerts = tmp_path / "alerts.yaml"
+    alerts.write_text(f"webhook: {{url: 'http://127.0.0.1:{server.server_address[1]}/hook'}}\n")
+    fail = FAIL_FILE.with_name("fail-preflight-n4")
+    env = _clean_env(MEGATRACE_HISTORY=str(tmp_path / "history.db"), MEGATRACE_ALERTS=str(alerts),
+                     MEGATRACE_THRESHOLDS="/etc/megatrace/thresholds.yaml")
+    health = [MEGATRACE, "health", "--node", "n4", "--resume-after", "2"]
+    try:
+        fail.write_text("drill: health check\n")
+        os.chmod(fail, 0o644)
+        first = _run(health, env=env)
+        assert first.returncode == 4 and "drained: megatrace:" in first.stdout, first.stdout + first.stderr
+        state, reason = node_state("n4")
+        assert "drain" in state and reason.startswith("megatrace:") and "drill: health check" in reason
+        again = _run(health, env=env)  # the next interval: still failing, already drained, no second alert
+        assert again.returncode == 4 and "alert" not in again.stdout
+        assert len(got) == 1 and got[0]["key"] == "n4:node.injected" and got[0]["level"] == "P2", got
+        fail.unlink()
+        once = _run(health, env=env)
+        assert once.returncode == 0 and "drain" in node_state("n4")[0]  # one pass is not enough
+        twice = _run(health, env=env)
+        assert "returned to service" in twice.stdout, twice.stdout + twice.stderr
+        assert "drain" not in node_state("n4")[0]
+        # A node drained by someone else stays drained, however healthy it is.
+        _run(["scontrol", "update", "NodeName=n4", "State=DRAIN", "Reason=ticket 4711"])
+        for _ in range(3):
+            assert _run(health, env=env).returncode == 0
+        assert node_state("n4")[1].startswith("ticket 4711")
+        nodes = _run([MEGATRACE, "nodes"], env=env)
+        assert nodes.returncode == 0 and "n4" in nodes.stdout and "drill: health check" in nodes.stdout
+    finally:
+        fail.unlink(missing_ok=True)
+        server.shutdown()
+        _run(["scontrol", "update", "NodeName=n4", "State=RESUME"])
+
+
+# -- an ordinary user --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def test_user() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(TEST_USER)
+    except KeyError:
+        proc = _run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", TEST_USER])
+        assert proc.returncode == 0, proc.stderr
+        return pwd.getpwnam(TEST_USER)
+
+
+@pytest.fixture
+def user_dir(test_user):
+    """A directory the test user owns (pytest's tmp_path is private to root)."""
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="megatrace-slurm-test-", dir="/tmp"))
+    os.chown(work, test_user.pw_uid, test_user.pw_gid)
+    yield work
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_users_job_dir_and_rings_belong_to_that_user(lab, test_user, user_dir):
+    work = user_dir
+    job = submit("srun -N2 -n2 bash -c 'mkdir -p $MEGATRACE_DIR && echo x > $MEGATRACE_DIR/rank-0000$SLURM_PROCID.ring'\n",
+                 work, "--megatrace", "-N2", user=TEST_USER)
+    info = wait_job(job)
+    assert info["JobState"] == "COMPLETED", output(work, job)
+    assert info["UserId"].startswith(TEST_USER)
+    bundle = work / f"megatrace-{job}"
+    owned = [bundle, *bundle.rglob("*")]
+    assert len(owned) >= 4  # the dir, step-0, rings/, two rings
+    assert {p.stat().st_uid for p in owned} == {test_user.pw_uid}
+    assert sorted(p.name for p in (bundle / "step-0" / "rings").iterdir()) == ["rank-00000.ring",
+                                                                               "rank-00001.ring"]
+
+
+def test_a_failure_file_a_user_planted_is_ignored(lab, test_user, user_dir):
+    from megatrace.check.host import read_injected
+
+    planted = user_dir / "fail-preflight-n1"
+    assert _run(["runuser", "-u", TEST_USER, "--", "touch", str(planted)]).returncode == 0
+    result = read_injected("n1", user_dir)
+    assert result is not None and "ignored" in result and "text" not in result
+
+
+def test_an_unwritable_job_dir_falls_back_and_says_so(lab, test_user, user_dir):
+    work = user_dir
+    locked = work / "locked"  # root's, not writable by the user
+    locked.mkdir(mode=0o755)
+    job = submit("echo out=$MEGATRACE_OUT_DIR\n", work, f"--megatrace=dir={locked}/trace", user=TEST_USER)
+    wait_job(job)
+    text = output(work, job)
+    assert f"out=/var/tmp/megatrace/megatrace-{job}" in text
+    assert f"megatrace: job directory {locked}/trace is not writable: using /var/tmp/megatrace/megatrace-{job}" in text
+    assert Path(f"/var/tmp/megatrace/megatrace-{job}").stat().st_uid == test_user.pw_uid
+    shutil.rmtree(f"/var/tmp/megatrace/megatrace-{job}", ignore_errors=True)
+
+
+# -- the demo job under sbatch --megatrace ----------------------------------------------------
+
+@pytest.mark.slow
+def test_the_demo_job_under_sbatch_names_the_hung_rank(lab, tmp_path):
+    from megatrace.lab.demo import LabDemo, run
+
+    demo = LabDemo(nodes=4, ranks=8, steps=6, fault="hang:rank=5,step=3", comm_timeout_s=20, timeout_s=300)
+    report = run(demo, tmp_path, log=lambda m: None)
+    assert report.name in ("report.html", "findings.json") and report.exists()
+    findings = json.loads((report.parent / "findings.json").read_text())["findings"]
+    top = findings[0]
+    assert top["severity"] == "critical" and top["subject"]["rank"] == 5, top
+    assert top["subject"]["host"] == "n3"  # ranks 4 and 5 run on the third virtual node
+    assert len(list((report.parent / "rings").glob("rank-*.ring"))) == 8
+
+
+# -- the lab itself ----------------------------------------------------------------------------
+
+def test_lab_up_again_changes_nothing(lab):
+    before = json.loads(_run([MEGATRACE, "lab", "status", "--json"]).stdout)
+    proc = _run([MEGATRACE, "lab", "up", "--nodes", "4", "--skip-install"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    after = json.loads(_run([MEGATRACE, "lab", "status", "--json"]).stdout)
+    assert before["daemons"] == after["daemons"]
+
+
+def test_lab_down_leaves_no_daemon_running(lab):
+    daemons = json.loads(_run([MEGATRACE, "lab", "status", "--json"]).stdout)["daemons"]
+    assert {d["name"] for d in daemons} >= {"slurmctld", "slurmd-n1", "slurmd-n4"}
+    proc = _run([MEGATRACE, "lab", "down"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for d in daemons:
+        assert not Path(f"/proc/{d['pid']}").exists() or \
+            Path(f"/proc/{d['pid']}/stat").read_text().split(") ")[1].startswith("Z"), d
+    status = _run([MEGATRACE, "lab", "status", "--json"])
+    assert status.returncode == 1 and json.loads(status.stdout)["up"] is False
