@@ -7,7 +7,7 @@ STAMP := $(VENV)/.megatrace-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean lab-demo lab-down
+.PHONY: install demo demo-local test bench clean lab-demo lab-down
 
 install: $(STAMP)
 
@@ -17,17 +17,19 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[torch,test,mpi]"
 	touch $@
 
-# The main job on its embedded default: the 8-rank TP2·PP2·DP2 demo with an injected hang,
-# then its analysis (verdict on the terminal, findings.json beside the traces).
+# The main job on its embedded default (as root): the local Slurm lab (4 virtual nodes, installed
+# with apt when missing), `sbatch --megatrace` of the 8-rank TP2·PP2·DP2 demo job with an injected
+# hang, its analysis, and the path of the HTML report. `make lab-down` stops the lab.
 demo: $(STAMP)
+	$(BIN)/megatrace lab demo --nodes 4 --ranks 8 --fault hang:rank=5,step=3 -C megatrace-demo-slurm
+
+# The same job as local processes (no Slurm, no root), then its analysis and report.
+demo-local: $(STAMP)
 	$(BIN)/megatrace demo --ranks 8 --tp 2 --pp 2 --dp 2 --steps 20 \
 		--fault hang:rank=5,step=3 -o megatrace-demo-hang
 	$(BIN)/megatrace analyze megatrace-demo-hang
 
-# The same demo under Slurm (root): the local lab (4 virtual nodes), sbatch --megatrace,
-# srun -N4 -n8, the analysis and the report's path. `make lab-down` stops the lab.
-lab-demo: $(STAMP)
-	$(BIN)/megatrace lab demo --nodes 4 --ranks 8 --fault hang:rank=5,step=3 -C megatrace-demo-slurm
+lab-demo: demo
 
 lab-down: $(STAMP)
 	$(BIN)/megatrace lab down

@@ -81,7 +81,7 @@ def mark(ok: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--ranks", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--pp", type=int, default=8)
     p.add_argument("--records", type=int, default=2000, help="records per rank (about)")

@@ -15,6 +15,7 @@ from megatrace import __version__
 from megatrace.config import ORDERS
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+TRACE_FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector")  # = analyze.importers.FORMATS
 
 
 class MegatraceError(click.ClickException):
@@ -163,8 +164,14 @@ Exit status:
               help="Hang localisation only: read just the newest records of each rank (further back only "
                    "where needed) and skip the analyses that need whole iterations (critical path, "
                    "stragglers). Seconds at 16,384 ranks; names the same culprit of a hang.")
+@click.option("--no-report", is_flag=True,
+              help="Do not write report.html and trace.json beside the findings (see: megatrace report).")
+@click.option("--format", "trace_format", default="auto", show_default=True,
+              type=click.Choice(TRACE_FORMATS),
+              help="Input format: MegaTrace rings, PyTorch Flight Recorder dumps, Megatrace NCCL-patch logs "
+                   "(rank_<R>.log) or NCCL Inspector JSON lines; auto detects it (docs/importers.md).")
 def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
-            json_path: str | None, fail_on: str | None, quick: bool) -> None:
+            json_path: str | None, fail_on: str | None, quick: bool, no_report: bool, trace_format: str) -> None:
     """Analyze a trace directory: name the rank, group or link that hung or failed the job.
 
     TRACE_DIR holds the ring files (in TRACE_DIR/rings/ or directly), and optionally
@@ -182,44 +189,94 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
         raise click.UsageError("give either --layout or --tp/--pp/--dp, not both")
     layout = layout_file or (LayoutSpec(tp, pp, dp) if (tp or pp or dp) else None)
     try:
-        result = run_analysis(trace_dir, layout=layout, mode="hang" if quick else "full")
+        result = run_analysis(trace_dir, layout=layout, mode="hang" if quick else "full", format=trace_format)
     except (TraceLoadError, LayoutError) as exc:
         raise MegatraceError(str(exc)) from None
     if quick:
         skipped = result.results.get("skipped_stages") or []
-        click.echo(f"quick analysis: hang localisation from the newest {result.trace.tail} records of each rank"
+        source = (f"the newest {result.trace.tail} records of each rank" if result.trace.tail is not None
+                  else "every record (imported traces are read whole)")
+        click.echo(f"quick analysis: hang localisation from {source}"
                    + (f"; not run: {', '.join(skipped)}" if skipped else ""), err=True)
     click.echo(render_summary(result))
     target = json_path or os.path.join(trace_dir, "findings.json")
+    result.results["command"] = _analyze_command(trace_dir, layout_file, tp, pp, dp, quick)  # shown in the report
+    if trace_format != "auto":
+        result.results["command"] += f" --format {trace_format}"
     try:
         click.echo(f"findings: {result.write_json(target)}", err=True)
     except OSError as exc:
         raise MegatraceError(f"cannot write {target}: {exc.strerror}") from None
+    if not no_report:
+        from megatrace.report.command import write_report_files
+
+        click.echo(f"report: {write_report_files(target)[0]}", err=True)
     if fail_on and result.at_least(Severity.parse(fail_on)):
         sys.exit(3)
 
 
-from megatrace.simulate.command import simulate as _simulate  # noqa: E402  (imports only click at load time)
+def _analyze_command(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
+                     quick: bool) -> str:
+    """The command line that reproduces this analysis (paths made absolute)."""
+    import shlex
 
-main.add_command(_simulate)
+    args = ["megatrace", "analyze", os.path.abspath(trace_dir)]
+    if layout_file:
+        args += ["--layout", os.path.abspath(layout_file)]
+    args += [a for k, v in (("--tp", tp), ("--pp", pp), ("--dp", dp)) if v for a in (k, str(v))]
+    return shlex.join(args + (["--quick"] if quick else []))
 
-from megatrace.fleet.command import health as _health, nodes as _nodes  # noqa: E402  (imports only click)
 
-main.add_command(_health)
-main.add_command(_nodes)
+@main.command("export", context_settings=CONTEXT_SETTINGS, epilog="""\b
+Examples:
+  megatrace export megatrace-demo-hang/ --perfetto -o trace.json
+  megatrace export fr-dumps/ --format flight-recorder --perfetto -o /tmp/fr.json
+""")
+@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--perfetto", is_flag=True, help="Write a Chrome / Perfetto trace (JSON trace events; the only "
+              "export format so far).")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=str), default="trace.json",
+              show_default=True, help="Where to write it.")
+@click.option("--format", "trace_format", default="auto", show_default=True,
+              type=click.Choice(TRACE_FORMATS),
+              help="Input format, as for megatrace analyze (docs/importers.md).")
+def export(trace_dir: str, perfetto: bool, out: str, trace_format: str) -> None:
+    """Export a trace directory of any format as a timeline to open in Perfetto or chrome://tracing.
+
+    The timeline is the incident window the report shows (megatrace analyze writes the same
+    trace.json beside its report): one track per rank, one slice per operation.
+    """
+    from megatrace.analyze.engine import analyze as run_analysis
+    from megatrace.analyze.load import TraceLoadError
+    from megatrace.config import LayoutError
+    from megatrace.report.perfetto import dumps, trace_events
+
+    if not perfetto:
+        raise click.UsageError("choose what to export: --perfetto")
+    try:
+        events = trace_events(run_analysis(trace_dir, format=trace_format).document())
+    except (TraceLoadError, LayoutError) as exc:
+        raise MegatraceError(str(exc)) from None
+    if events is None:
+        raise MegatraceError(f"{trace_dir}: no operations to export")
+    try:
+        with open(out, "w") as fh:
+            fh.write(dumps(events))
+    except OSError as exc:
+        raise MegatraceError(f"cannot write {out}: {exc.strerror}") from None
+    click.echo(f"trace: {out} ({len(events['traceEvents'])} events)", err=True)
 
 
+# Commands that live with their stage; each module imports only click at load time.
 from megatrace.check.command import check_main  # noqa: E402,F401  (the megatrace-check entry point)
+from megatrace.collect.cli import agent as _agent, collect as _collect  # noqa: E402
+from megatrace.fleet.command import health as _health, nodes as _nodes  # noqa: E402
+from megatrace.lab.cli import lab as _lab  # noqa: E402
+from megatrace.report.command import report as _report  # noqa: E402
+from megatrace.simulate.command import simulate as _simulate  # noqa: E402
 
-
-from megatrace.lab.cli import lab as _lab  # noqa: E402  (imports only click; commands import lazily)
-
-main.add_command(_lab)
-
-from megatrace.collect.cli import agent as _agent, collect as _collect  # noqa: E402  (imports click only)
-
-main.add_command(_collect)
-main.add_command(_agent)
+for _command in (_report, _simulate, _health, _nodes, _lab, _collect, _agent):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -156,6 +156,9 @@ class AnalysisResult:
                            "skipped_stages": list(self.results.get("skipped_stages", ()))}
         if self.hang is not None:
             out["hang"] = self.hang.summary()
+        from megatrace.analyze.report_data import report_data  # what the HTML report draws (timeline, graph)
+
+        out["report"] = report_data(self.trace, self.clock, self.results)
         return out
 
     def document(self) -> dict[str, Any]:
@@ -198,7 +201,8 @@ def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None
 
 
 def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | None = None,
-            stages: list[tuple[str, Stage]] | None = None, mode: str = "full") -> AnalysisResult:
+            stages: list[tuple[str, Stage]] | None = None, mode: str = "full",
+            format: str = "auto") -> AnalysisResult:  # noqa: A002 - load_trace's format (docs/importers.md)
     """Analyse a trace directory and return ordered findings (the first one is the verdict).
 
     ``layout``: a :class:`Layout`, a :class:`LayoutSpec` (sizes from the command line), a path to a
@@ -217,7 +221,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     t0 = time.perf_counter()
     spec = layout if isinstance(layout, LayoutSpec) else None
     given = load_layout(layout) if isinstance(layout, (str, Path)) else layout if isinstance(layout, Layout) else None
-    trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None)
+    trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None, format=format)
     if spec is not None:
         try:
             trace.layout = fit_layout(spec.resolve(trace.world_size), trace.world_size, "--tp/--pp/--dp",
@@ -249,7 +253,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
         ctx.results["job"] = job
         ctx.findings.extend(config_findings(job))
     run = stages if stages is not None else STAGES
-    if quick:
+    if quick or trace.completion_times == "inferred":  # (guessed completions would invent stragglers)
         ctx.results["skipped_stages"] = [name for name, _ in run if name not in HANG_MODE_STAGES]
         run = [(name, stage) for name, stage in run if name in HANG_MODE_STAGES]
     for name, stage in run:

@@ -273,16 +273,37 @@ def mismatch_findings(trace: TraceSet, m: MatchResult) -> list[Finding]:
         g = trace.groups.get(gid)
         first = items[0]
         ranks = sorted({r for mm in items for rs in mm.values.values() for r in rs})
+        odd = _odd_ones(items)
         out.append(Finding(
             id=f"collective-mismatch:group-{gid}-{field_name}{'-p2p' if p2p else ''}", severity=Severity.ERROR,
             kind=Kind.COLLECTIVE_MISMATCH,
-            subject=Subject(ranks=tuple(ranks), group=g.to_dict() if g else None),
-            verdict=f"{len(items)} {'send/recv pair' if p2p else 'collective'}{'s' if len(items) > 1 else ''} of "
+            subject=Subject(ranks=odd or tuple(ranks), group=g.to_dict() if g else None),
+            verdict=(f"{_ranks_words(odd)} the odd one out (every other member agrees): " if odd else "") +
+                    f"{len(items)} {'send/recv pair' if p2p else 'collective'}{'s' if len(items) > 1 else ''} of "
                     f"{trace.group_label(gid)} disagree{'' if len(items) > 1 else 's'} on {field_name}: "
                     f"{'first ' if len(items) > 1 else ''}{first.describe()}",
             evidence=[mm.describe() for mm in items[:MAX_EVIDENCE]], remediation=REMEDIATION[Kind.COLLECTIVE_MISMATCH],
             confidence=0.95, impact=len(ranks)))
     return out
+
+
+def _odd_ones(items: list) -> tuple[int, ...]:
+    """The ranks that hold a value every other member of their collective disagrees with (a strict minority
+    against one shared majority value, in every mismatch of the group); () when no such minority exists.
+    A mismatch is a program bug on some rank: naming the minority, not the whole group, points at it."""
+    odd: set[int] = set()
+    for mm in items:
+        if mm.p2p or len(mm.values) != 2:
+            return ()
+        few, many = sorted(mm.values.values(), key=len)
+        if len(few) >= len(many):
+            return ()
+        odd.update(few)
+    return tuple(sorted(odd))
+
+
+def _ranks_words(ranks: tuple[int, ...]) -> str:
+    return f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {rank_list(list(ranks))} are"
 
 
 def trace_findings(trace: TraceSet, clock: ClockAlignment) -> list[Finding]:

@@ -370,8 +370,12 @@ class _Columns:
         return Records(**cols)
 
 
-def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | None = None) -> TraceSet:
+def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | None = None,
+               format: str = "auto") -> TraceSet:  # noqa: A002 - the CLI option's name
     """Load a trace directory; see the module docstring. ``layout`` overrides ``layout.yaml``.
+
+    ``format``: ``auto`` (ring files, else a detected foreign format), ``rings``, or an importer's
+    format (:data:`megatrace.analyze.importers.FORMATS`; those load every record, whatever ``tail``).
 
     ``tail=K`` loads only each rank's newest ``K`` records (``TraceSet.tail``; ``RankInfo.unread``
     counts the older ones left in the ring).
@@ -381,7 +385,13 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
         raise TraceLoadError(f"{directory}: no such directory")
     if not directory.is_dir():
         raise TraceLoadError(f"{directory}: not a directory (expected a MegaTrace trace directory)")
-    files, earlier = _ring_files(directory)
+    files, earlier = _ring_files(directory) if format in ("auto", "rings") else ([], [])
+    if not files and format != "rings":  # foreign formats: Flight Recorder, NCCL logs, Inspector (docs/importers.md)
+        from megatrace.analyze.importers import detect_format, import_trace
+
+        found = detect_format(directory) if format == "auto" else format
+        if found is not None:
+            return import_trace(directory, found, layout)
     if not files:
         raise TraceLoadError(f"{directory}: not a MegaTrace trace directory: no ring files "
                              f"(rank-NNNNN.ring) in it or in its rings/ subdirectory")

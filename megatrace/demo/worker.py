@@ -46,6 +46,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+FR_DUMP_ENV = "MEGATRACE_DEMO_FR_DUMP"  # opt-in: write PyTorch Flight Recorder dumps (needs TORCH_FR_BUFFER_SIZE)
+FR_DUMP_PERIOD_S = 1.0
+
+
+def start_fr_dumps(directory: Path, rank: int) -> None:
+    """Write this rank's Flight Recorder dump to ``directory/fr_rank_<R>`` every second and at exit.
+
+    Test data for :mod:`megatrace.analyze.importers.flight_recorder`, named like torch's own dumps
+    (prefix + rank, no suffix) so that ``torchfrtrace`` reads them too. gloo's watchdog does not
+    dump, so a daemon thread does; a rank that hangs, in Python or inside a gloo call, leaves a dump
+    at most a second old. Without stack traces: with them, ``_dump_fr_trace()`` from a second
+    thread deadlocks against the main thread recording a collective (torch 2.13, gloo).
+    """
+    import atexit
+    import threading
+
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"fr_rank_{rank}"
+
+    def dump() -> None:
+        tmp = target.with_name(target.name + ".tmp")
+        try:
+            tmp.write_bytes(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
+            os.replace(tmp, target)
+        except (OSError, RuntimeError) as exc:  # a dump is a diagnostic: never stop training for it
+            print(f"megatrace demo: flight recorder dump failed: {exc}", file=sys.stderr)
+
+    def loop() -> None:
+        while True:
+            time.sleep(FR_DUMP_PERIOD_S)
+            dump()
+
+    threading.Thread(target=loop, name="fr-dump", daemon=True).start()
+    atexit.register(dump)
+
+
 class Markers:
     """megatrace.step()/phase() when asked for and available; silent no-ops otherwise."""
 
@@ -113,6 +151,8 @@ def train(args: argparse.Namespace, env: DistEnv, layout: Layout, faults: list[F
                       RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank))
     timeout = timedelta(seconds=args.comm_timeout)
     dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=timeout)
+    if os.environ.get(FR_DUMP_ENV):
+        start_fr_dumps(Path(os.environ[FR_DUMP_ENV]), env.rank)
     groups = create_groups(layout, env.rank, timeout)
     injector = FaultInjector(faults, env.rank, layout)
     injector.install()

@@ -1,0 +1,192 @@
+"""NCCL Inspector output (NCCL's profiler-plugin example, ``ext-profiler/inspector``) -> :class:`TraceSet`.
+
+One file per process (``NCCL_INSPECTOR_DUMP_DIR``), holding JSON objects one after the other (one per
+line, or pretty-printed), one per completed collective per communicator::
+
+    {"header": {"id": "0x7f8c496ae9f661", "rank": 2, "n_ranks": 8, "nnodes": 1},
+     "metadata": {"inspector_output_format_version": "v4.0", "dump_timestamp_us": 1748030377748202,
+                  "hostname": "node-1", "pid": 1639453, ...},
+     "coll_perf": {"coll": "AllReduce", "coll_sn": 1407, "coll_msg_size_bytes": 17179869184,
+                   "coll_exec_time_us": 61974, "coll_timing_source": "kernel_gpu",
+                   "coll_algobw_gbs": 277.2, "coll_busbw_gbs": 485.1,
+                   "coll_algo": "RING", "coll_proto": "LL",              (v4.2)
+                   "event_trace_ts": {"coll_start_ts": ..., "coll_stop_ts": ...,
+                                      "kernel_events": [{"kernel_start_ts": ..., "kernel_stop_ts": ...}]}}}
+
+``event_trace_ts`` (µs) only with ``NCCL_INSPECTOR_DUMP_VERBOSE=1``. Records without ``coll_perf``
+(v4.1 ``dump_stats``) are skipped. Mapping:
+
+* ``header.id`` is the communicator; ``header.rank`` the rank *within* it. A process's global rank is
+  the number its file name ends with (``...rank3.log``), else its rank in a communicator of the whole
+  world (at least as many ranks as files, and the layout's world size); else the import fails and
+  says so;
+* ``group_seq`` = ``coll_sn`` (the same on every member), ``nbytes`` = ``coll_msg_size_bytes``;
+* times: the call at ``coll_start_ts``, completion at the last ``kernel_stop_ts`` (else start plus
+  ``coll_exec_time_us``); without the verbose trace, completion at ``dump_timestamp_us`` and the call
+  ``coll_exec_time_us`` before it (coarse: the dump thread's interval);
+* every record is COMPLETED: the Inspector writes a collective when it finished. It therefore cannot
+  show what a hung rank waits in (a collective nobody completed leaves no line); it shows timing: who
+  arrived last (verbose), how long each collective ran, the bus bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from megatrace.analyze.importers.common import (ImportedRank, ImportFormatError, build_traceset, group_id,
+                                                new_columns)
+from megatrace.analyze.traceset import LoadProblem, TraceSet, plural
+from megatrace.config import Layout
+from megatrace.trace.ring_format import Op, State
+
+NAME = "inspector"
+COLLS: dict[str, Op] = {"AllReduce": Op.ALL_REDUCE, "AllGather": Op.ALL_GATHER, "ReduceScatter": Op.REDUCE_SCATTER,
+                        "Broadcast": Op.BROADCAST, "Reduce": Op.REDUCE, "AllToAll": Op.ALL_TO_ALL,
+                        "Gather": Op.GATHER, "Scatter": Op.SCATTER}
+TRAILING_RANK = re.compile(r"rank[_-]?(\d+)(?:\.[a-z]+)*$", re.IGNORECASE)
+_WS = re.compile(r"\s*")
+
+
+def iter_objects(path: Path):
+    """(line number, object) for each JSON object in the file; errors name the file and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ImportFormatError(f"{path}: unreadable: {exc}") from None
+    decoder = json.JSONDecoder()
+    at = _WS.match(text, 0).end()
+    while at < len(text):
+        line = text.count("\n", 0, at) + 1
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except ValueError as exc:
+            raise ImportFormatError(f"{path}, line {line}: not a JSON object ({exc.msg}; truncated or damaged "
+                                    f"NCCL Inspector output?)") from None
+        if not isinstance(obj, dict):
+            raise ImportFormatError(f"{path}, line {line}: expected a JSON object, got {type(obj).__name__}")
+        yield line, obj
+        at = _WS.match(text, end).end()
+
+
+def _record(path: Path, line: int, obj: dict) -> tuple | None:
+    """(comm id, comm rank, n_ranks, op, sn, bytes, t_start_ns, t_stop_ns, host, pid, algo, verbose) or None
+    (a record without coll_perf)."""
+    perf = obj.get("coll_perf")
+    if perf is None:
+        return None
+    head, meta = obj.get("header"), obj.get("metadata") or {}
+    try:
+        comm, rank, n = str(head["id"]), int(head["rank"]), int(head["n_ranks"])
+        coll, sn = str(perf["coll"]), int(perf["coll_sn"])
+        size, exec_us = int(perf["coll_msg_size_bytes"]), float(perf["coll_exec_time_us"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ImportFormatError(f"{path}, line {line}: not an NCCL Inspector record (header.id/rank/n_ranks, "
+                                f"coll_perf.coll/coll_sn/coll_msg_size_bytes/coll_exec_time_us needed; "
+                                f"{type(exc).__name__}: {exc})") from None
+    if coll not in COLLS:
+        raise ImportFormatError(f"{path}, line {line}: unknown collective {coll!r} (known: {', '.join(COLLS)})")
+    trace = perf.get("event_trace_ts") or {}
+    start = trace.get("coll_start_ts")
+    stops = [k.get("kernel_stop_ts") for k in trace.get("kernel_events") or [] if isinstance(k, dict)]
+    stops = [s for s in stops if isinstance(s, (int, float)) and s > 0]
+    if isinstance(start, (int, float)) and start > 0:
+        t0 = int(start * 1000)
+        t1 = int(max(stops) * 1000) if stops else t0 + int(exec_us * 1000)
+    else:
+        dumped = meta.get("dump_timestamp_us")
+        if not isinstance(dumped, (int, float)):
+            raise ImportFormatError(f"{path}, line {line}: no time (neither event_trace_ts.coll_start_ts nor "
+                                    f"metadata.dump_timestamp_us)")
+        t1 = int(dumped * 1000)
+        t0 = t1 - int(exec_us * 1000)
+    return (comm, rank, n, COLLS[coll], sn, size, t0, max(t1, t0), str(meta.get("hostname", "")),
+            int(meta.get("pid", 0) or 0), str(perf.get("coll_algo", "")), bool(trace))
+
+
+def find_files(directory: Path) -> list[Path]:
+    from megatrace.analyze.importers.detect import _files, _places, looks_like_inspector
+
+    for where in _places(directory):
+        found = sorted(p for p in _files(where) if looks_like_inspector(p))
+        if found:
+            return found
+    return []
+
+
+def load_inspector(directory: Path, layout: Layout | None = None) -> TraceSet:
+    """Every NCCL Inspector file in ``directory`` (or one level below) as a :class:`TraceSet`."""
+    files = find_files(directory)
+    if not files:
+        raise ImportFormatError(f"{directory}: no NCCL Inspector output (JSON objects with header and coll_perf) "
+                                f"in it or its subdirectories")
+    problems: list[LoadProblem] = []
+    per_file: dict[Path, list[tuple]] = {}
+    for path in files:
+        recs = [r for line, obj in iter_objects(path) if (r := _record(path, line, obj)) is not None]
+        if recs:
+            per_file[path] = recs
+    if not per_file:
+        raise ImportFormatError(f"{directory}: NCCL Inspector files without any coll_perf record")
+    widest = max(r[2] for recs in per_file.values() for r in recs)
+    world = max(widest, layout.world_size if layout is not None else 0, len(per_file))
+    global_rank: dict[Path, int] = {}
+    for path, recs in per_file.items():
+        in_world = {r[1] for r in recs if r[2] == world}
+        named = TRAILING_RANK.search(path.name)
+        if named:
+            global_rank[path] = int(named.group(1))
+        elif len(in_world) == 1:
+            global_rank[path] = in_world.pop()
+        else:
+            raise ImportFormatError(f"{path}: cannot tell this process's global rank (no communicator of all "
+                                    f"{world} ranks in it, and no rank at the end of the file name): rename the "
+                                    f"files <name>-rank<R>.log")
+    seen: dict[int, Path] = {}
+    for path, rank in global_rank.items():
+        if rank in seen:
+            raise ImportFormatError(f"{path}: global rank {rank} also comes from {seen[rank]}")
+        seen[rank] = path
+    # communicator members: global rank at each comm rank
+    members: dict[str, dict[int, int]] = {}
+    sizes: dict[str, int] = {}
+    for path, recs in per_file.items():
+        for r in recs:
+            members.setdefault(r[0], {})[r[1]] = global_rank[path]
+            sizes[r[0]] = r[2]
+    partial = sorted(c for c in members if len(members[c]) < sizes[c])
+    if partial:
+        problems.append(LoadProblem("warning", "inspector-partial-comms",
+                                    f"{plural(len(partial), 'communicator')} with members whose files are missing: "
+                                    f"their members are the ranks seen ({', '.join(partial[:4])})"))
+    ranks: list[ImportedRank] = []
+    for path, recs in per_file.items():
+        recs.sort(key=lambda r: (r[6], r[7]))
+        cols = new_columns(len(recs))
+        gids = {r[0]: group_id("nccl", r[0]) for r in recs}
+        for i, r in enumerate(recs):
+            cols["group_id"][i], cols["op"][i], cols["group_seq"][i] = gids[r[0]], r[3], r[4]
+            cols["nbytes"][i], cols["t_enqueue"][i], cols["t_complete"][i] = r[5], r[6], r[7]
+        cols["state"][:] = State.COMPLETED
+        lines = [{"kind": "group", "gid": gid, "name": comm, "desc": "default_pg" if sizes[comm] == world else "",
+                  "ranks": [members[comm][k] for k in sorted(members[comm])], "backend": "nccl"}
+                 for comm, gid in gids.items()]
+        host, pid = recs[0][8], recs[0][9]
+        ranks.append(ImportedRank(global_rank[path], str(path), cols, host=host, pid=pid, groups=lines))
+    n = sum(len(r) for r in ranks)
+    problems.append(LoadProblem("info", "imported", f"imported {plural(n, 'collective')} of "
+                                f"{plural(len(ranks), 'rank')} from NCCL Inspector output (completed collectives "
+                                f"only: a hang leaves no line)"))
+    coarse = sum(1 for recs in per_file.values() for r in recs if not r[11])
+    trace = build_traceset(directory, NAME, ranks, world, problems, layout,
+                           inferred=f"{plural(coarse, 'record')} without the verbose event trace (times from the "
+                                    f"dump time and the execution time)" if coarse else "")
+    for gid, g in trace.groups.items():  # name the groups by the layout where they match one of its kinds
+        if trace.layout is not None and not g.desc and len(g.ranks) > 1:
+            for kind in ("tp", "pp", "dp"):
+                if tuple(trace.layout.group_of(kind, g.ranks[0])) == tuple(sorted(g.ranks)):
+                    trace.groups[gid] = dataclasses.replace(g, desc=kind)
+                    break
+    return trace

@@ -1,0 +1,331 @@
+"""Logs of the Megatrace NCCL patch (``rank_<R>.log``) -> :class:`TraceSet`.
+
+One file per rank; each line is one NCCL call as the host enqueued it::
+
+    [save_count 3] [1755590104.253968145] [Rank 0] Fun AllReduce Data 25165824 stream 0x55919d27b4b0 opCount 12
+
+with an optional trailing `` groupHash <int>`` in newer builds. Facts that shape the import:
+
+* the time is CLOCK_REALTIME at enqueue; there is **no completion time**;
+* ``Data`` is an element count (kept as is in ``nbytes``: only comparisons across ranks use it);
+* ``opCount`` counts the communicator's kernel launches: calls inside one NCCL group share it and a
+  one-rank communicator logs 0 forever, so a call's place in its communicator is (opCount, its index
+  among the calls of that opCount), renumbered densely across ranks;
+* the stream is a process-local pointer; each ``save_count`` is a full dump of a ring of up to 9,999
+  lines, written whenever the rank was idle, so dumps overlap: the lines of all dumps are merged and
+  duplicates dropped;
+* without ``groupHash`` the communicators are inferred: a rank's calls on one stream are one
+  communicator; streams with send/recv are the pipeline's, collective streams are matched to the layout's
+  groups (``config.yaml``: ``TP``, ``PP``, ``world_size``; Megatron order) by call volume (TP calls
+  more often than DP: Megatron's pattern) when both have more than one rank;
+* completion is inferred: a collective is complete when every member enqueued it (at its last arrival)
+  and no member had an earlier call that could not complete (a GPU stream runs its work in order); a
+  send/recv when both sides posted it. What a member never enqueued is what the others wait for: the
+  first call of a rank that cannot complete is the one it waits in. A member whose log starts after a
+  call (its ring wrapped) is not counted as missing from it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from megatrace.analyze.importers.common import (ImportedRank, ImportFormatError, build_traceset, dense_group_seq,
+                                                group_id, new_columns)
+from megatrace.analyze.importers.detect import NCCL_LOG_RE
+from megatrace.analyze.traceset import LoadProblem, TraceSet, plural
+from megatrace.config import GROUP_KINDS, Layout, LayoutError
+from megatrace.trace.ring_format import Flag, Op, State
+
+NAME = "nccl-log"
+LINE_RE = re.compile(r"^\[save_count (\d+)\] \[(\d+)\.(\d{1,9})\] \[Rank (\d+)\] Fun (\w+) Data (\d+) "
+                     r"stream (0x[0-9a-fA-F]+|\(nil\)|0) opCount (\d+)(?: groupHash (-?\d+))?\s*$")
+FUNCS: dict[str, Op] = {"AllReduce": Op.ALL_REDUCE, "AllGather": Op.ALL_GATHER, "ReduceScatter": Op.REDUCE_SCATTER,
+                        "Broadcast": Op.BROADCAST, "Reduce": Op.REDUCE, "Send": Op.SEND, "Recv": Op.RECV,
+                        "AllToAll": Op.ALL_TO_ALL}
+OP_SLOTS = 1 << 16  # calls per opCount kept apart in the sequence key (an NCCL group of more calls is unheard of)
+
+
+def parse_log(path: Path, problems: list[LoadProblem]) -> tuple[int, list[tuple]]:
+    """(rank, unique calls in time order) of one ``rank_<R>.log``; errors name the file and line."""
+    m = NCCL_LOG_RE.match(path.name)
+    rank = int(m.group(1)) if m else None
+    seen: dict[tuple, int] = {}
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ImportFormatError(f"{path}: unreadable: {exc.strerror}") from None
+    text = data.decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    last = len(lines) - 1 if lines and lines[-1] == "" else len(lines)
+    hashes: set[bool] = set()
+    for no, line in enumerate(lines[:last], start=1):
+        if not line.strip():
+            continue
+        got = LINE_RE.match(line)
+        if got is None:
+            if no == last and not data.endswith(b"\n"):
+                problems.append(LoadProblem("warning", "nccl-log-torn", f"{path}, line {no}: last line cut off "
+                                            f"(the patch was writing it); skipped", paths=(str(path),)))
+                continue
+            raise ImportFormatError(f"{path}, line {no}: not a Megatrace NCCL log line: {line[:120]!r} (expected "
+                                    f"'[save_count N] [SEC.NSEC] [Rank R] Fun NAME Data N stream 0x.. opCount N "
+                                    f"[groupHash N]')")
+        save, sec, frac, line_rank, func, count, stream, op_count, ghash = got.groups()
+        if rank is not None and int(line_rank) != rank:
+            raise ImportFormatError(f"{path}, line {no}: [Rank {line_rank}] in the file of rank {rank} (files of "
+                                    f"different ranks mixed up?)")
+        rank = int(line_rank) if rank is None else rank
+        if func not in FUNCS:
+            raise ImportFormatError(f"{path}, line {no}: unknown function {func!r} (known: {', '.join(FUNCS)})")
+        hashes.add(ghash is not None)
+        t = int(sec) * 1_000_000_000 + int(frac.ljust(9, "0"))
+        key = (t, func, int(count), stream, int(op_count), None if ghash is None else int(ghash))
+        seen.setdefault(key, no)  # the same call in several (overlapping) dumps
+    if len(hashes) > 1:
+        raise ImportFormatError(f"{path}: some lines carry a groupHash and some do not (logs of two builds mixed)")
+    if rank is None:
+        raise ImportFormatError(f"{path}: no calls in it, and no rank in its name (expected rank_<R>.log)")
+    calls = sorted(seen, key=lambda k: (k[0], seen[k]))
+    return rank, calls
+
+
+def read_config(directory: Path, world: int) -> Layout | None:
+    """The layout from ``config.yaml`` (``TP``, ``PP``, ``world_size``) next to the logs, if any."""
+    import yaml
+
+    for where in (directory, directory.parent):
+        path = where / "config.yaml"
+        if not path.is_file():
+            continue
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+            tp, pp = int(data.get("TP", 1)), int(data.get("PP", 1))
+            size = int(data.get("world_size", world))
+            if size % (tp * pp):
+                raise ImportFormatError(f"{path}: world_size {size} is not a multiple of TP*PP = {tp * pp}")
+            return Layout(world_size=size, tp=tp, pp=pp, dp=size // (tp * pp)).validate(str(path))
+        except (ValueError, TypeError, AttributeError, yaml.YAMLError, LayoutError) as exc:
+            raise ImportFormatError(f"{path}: not a layout (TP, PP, world_size): {exc}") from None
+    return None
+
+
+def _channels(rank_calls: dict[int, list[tuple]], layout: Layout | None,
+              problems: list[LoadProblem]) -> dict[tuple[int, str], tuple[str, tuple[int, ...]]]:
+    """(rank, stream) -> (communicator key, members) for logs without groupHash."""
+    out: dict[tuple[int, str], tuple[str, tuple[int, ...]]] = {}
+    world = max(rank_calls) + 1
+    notes = []
+    coll_kinds = [k for k in ("tp", "dp") if layout is not None and getattr(layout, k) > 1]
+    for rank, calls in rank_calls.items():
+        streams: dict[str, list[tuple]] = {}
+        for c in calls:
+            streams.setdefault(c[3], []).append(c)
+        coll_streams = []
+        for stream, cs in streams.items():
+            if len(cs) > 1 and all(c[4] == 0 for c in cs):
+                out[(rank, stream)] = (f"solo:{rank}:{stream}", (rank,))  # one-rank communicator
+            elif any(c[1] in ("Send", "Recv") for c in cs):
+                members = tuple(layout.group_of("pp", rank)) if layout is not None else tuple(range(world))
+                out[(rank, stream)] = ("pp:" + ",".join(map(str, members)), members)
+            else:
+                coll_streams.append((len(cs), stream))
+        coll_streams.sort(reverse=True)  # the busiest first: TP, then DP (Megatron)
+        for k, (_, stream) in enumerate(coll_streams):
+            if k < len(coll_kinds):
+                members = tuple(layout.group_of(coll_kinds[k], rank))
+                out[(rank, stream)] = (f"{coll_kinds[k]}:" + ",".join(map(str, members)), members)
+            else:
+                out[(rank, stream)] = ("world", tuple(range(layout.world_size if layout else world)))
+        if len(coll_streams) > max(len(coll_kinds), 1):
+            notes.append(rank)
+    if notes:
+        problems.append(LoadProblem("warning", "nccl-log-streams", f"{plural(len(notes), 'rank')} use more collective "
+                                    f"streams than the layout has groups; the extra ones were taken as the world "
+                                    f"group: ranks {sorted(notes)[:12]}"))
+    return out
+
+
+def _kind_of(members: tuple[int, ...], layout: Layout | None) -> str:
+    if layout is None or len(members) < 2:
+        return ""
+    for kind in GROUP_KINDS:
+        if tuple(layout.group_of(kind, members[0])) == tuple(sorted(members)):
+            return kind
+    return "default_pg" if len(members) == layout.world_size else ""
+
+
+def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
+    """Every ``rank_<R>.log`` in ``directory`` (or one level below) as a :class:`TraceSet`."""
+    from megatrace.analyze.importers.detect import NCCL_LINE, _head, _places
+
+    files: list[Path] = []
+    for where in _places(directory):
+        files = sorted(p for p in where.iterdir() if p.is_file() and NCCL_LOG_RE.match(p.name)
+                       and NCCL_LINE in _head(p))
+        if files:
+            break
+    if not files:
+        raise ImportFormatError(f"{directory}: no Megatrace NCCL logs (rank_<R>.log) in it or its subdirectories")
+    problems: list[LoadProblem] = []
+    rank_calls: dict[int, list[tuple]] = {}
+    paths: dict[int, str] = {}
+    for path in files:
+        rank, calls = parse_log(path, problems)
+        if rank in rank_calls:
+            raise ImportFormatError(f"{path}: rank {rank} also in {paths[rank]}")
+        rank_calls[rank], paths[rank] = calls, str(path)
+    world = max(rank_calls) + 1
+    config = layout or read_config(files[0].parent, world)
+    if config is None and (directory / "layout.yaml").exists():
+        from megatrace.config import load_layout
+        try:
+            config = load_layout(directory / "layout.yaml")
+        except LayoutError:
+            config = None
+    if config is not None:
+        world = max(world, config.world_size)
+    hashed = {rank: any(c[5] is not None for c in calls) for rank, calls in rank_calls.items() if calls}
+    with_hash = any(hashed.values())
+    if with_hash and not all(hashed.values()):
+        plain = min(r for r, h in hashed.items() if not h)
+        raise ImportFormatError(f"{paths[plain]}: no groupHash, while {paths[min(r for r, h in hashed.items() if h)]} "
+                                f"has them (logs of two NCCL builds mixed)")
+
+    # Communicator of every call: (key, members)
+    comm_of: dict[tuple[int, int], tuple[str, tuple[int, ...]]] = {}  # (rank, row) -> ...
+    if with_hash:
+        users: dict[int, set[int]] = {}
+        for rank, calls in rank_calls.items():
+            for c in calls:
+                users.setdefault(c[5], set()).add(rank)
+        members_of = {}
+        for h, us in users.items():
+            members = tuple(sorted(us))
+            kind = _kind_of(members, config)
+            if config is not None and not kind and len(members) >= 2:
+                for k in GROUP_KINDS:  # a member that never logged on it (its ring wrapped, or it hung first)
+                    full = tuple(config.group_of(k, members[0]))
+                    if set(members) < set(full) and getattr(config, k) > 1:
+                        members = full
+                        break
+            members_of[h] = members
+        for rank, calls in rank_calls.items():
+            for i, c in enumerate(calls):
+                comm_of[(rank, i)] = (f"hash:{c[5]}", members_of[c[5]])
+    else:
+        chans = _channels(rank_calls, config, problems)
+        for rank, calls in rank_calls.items():
+            for i, c in enumerate(calls):
+                comm_of[(rank, i)] = chans[(rank, c[3])]
+        problems.append(LoadProblem(
+            "info", "nccl-log-inferred", "the logs carry no groupHash: communicators were inferred from each rank's "
+            "streams and the layout" + ("" if config is not None else " (no config.yaml/layout: collectives are "
+                                                                    "taken as world-wide)")))
+
+    ranks: list[ImportedRank] = []
+    keys: dict[int, np.ndarray] = {}
+    chan_keys: dict[int, np.ndarray] = {}
+    lines: dict[int, dict] = {}
+    names: dict[int, tuple[str, str]] = {}
+    for rank in sorted(rank_calls):
+        calls = rank_calls[rank]
+        cols = new_columns(len(calls))
+        key = np.full(len(calls), -1, np.int64)
+        chan = np.zeros(len(calls), np.int64)
+        slot: Counter = Counter()
+        for i, c in enumerate(calls):
+            ckey, members = comm_of[(rank, i)]
+            gid = group_id("nccl", ckey)
+            op = FUNCS[c[1]]
+            cols["group_id"][i], cols["op"][i], cols["t_enqueue"][i], cols["nbytes"][i] = gid, op, c[0], c[2]
+            if gid not in lines:
+                desc = _kind_of(members, config)
+                lines[gid] = {"kind": "group", "gid": gid, "name": ckey, "desc": desc, "ranks": list(members),
+                              "backend": "nccl"}
+                names[gid] = (ckey, desc)
+            peer = -1
+            if op in (Op.SEND, Op.RECV):
+                others = [m for m in members if m != rank]
+                peer = others[0] if len(others) == 1 else -1
+                cols["peer"][i] = peer
+            src, dst = (rank, peer) if op == Op.SEND else (peer, rank) if op == Op.RECV else (0, 0)
+            n = slot[(gid, c[4], op if op in (Op.SEND, Op.RECV) else 0, peer)]
+            slot[(gid, c[4], op if op in (Op.SEND, Op.RECV) else 0, peer)] += 1
+            key[i] = c[4] * OP_SLOTS + n
+            chan[i] = ((src + 1) << 21 | (dst + 1)) if op in (Op.SEND, Op.RECV) else 0
+        ranks.append(ImportedRank(rank, paths[rank], cols, groups=[]))
+        keys[rank], chan_keys[rank] = key, chan
+    dense_group_seq(ranks, keys, chan_keys)
+    for r in ranks:
+        r.groups = [lines[g] for g in np.unique(r.columns["group_id"]).tolist()]
+    _infer_states(ranks, {gid: tuple(e["ranks"]) for gid, e in lines.items()})
+    n = sum(len(r) for r in ranks)
+    problems.append(LoadProblem("info", "imported", f"imported {plural(n, 'call')} of {plural(len(ranks), 'rank')} "
+                                f"from Megatrace NCCL logs (enqueue times only: completions inferred)"))
+    return build_traceset(directory, NAME, ranks, world, problems, config, names=names,
+                          inferred="the logs hold enqueue times only: completions were inferred from arrivals")
+
+
+def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]]) -> None:
+    """Completed (at the last arrival) or not, per call; see the module docstring. Sets state, t_complete, flags."""
+    start = {r.rank: int(r.columns["t_enqueue"].min()) if len(r) else 0 for r in ranks}
+    # instance / pair key per row
+    inst: dict[int, np.ndarray] = {}
+    for r in ranks:
+        c = r.columns
+        p2p = (c["op"] == Op.SEND) | (c["op"] == Op.RECV)
+        src = np.where(c["op"] == Op.SEND, r.rank, c["peer"])
+        dst = np.where(c["op"] == Op.SEND, c["peer"], r.rank)
+        inst[r.rank] = np.array([hash((int(g), int(s), int(d), int(q)) if p else (int(g), int(q)))
+                                 for g, q, p, s, d in zip(c["group_id"], c["group_seq"], p2p, src, dst)],
+                                dtype=np.int64) if len(r) else np.empty(0, np.int64)
+    arrivals: dict[int, list[tuple[int, int, int]]] = {}  # instance -> (rank, row, t)
+    for r in ranks:
+        for row, (k, t) in enumerate(zip(inst[r.rank].tolist(), r.columns["t_enqueue"].tolist())):
+            arrivals.setdefault(k, []).append((r.rank, row, t))
+    expected: dict[int, set[int]] = {}
+    for r in ranks:
+        c = r.columns
+        for row, k in enumerate(inst[r.rank].tolist()):
+            if k in expected:
+                continue
+            op = c["op"][row]
+            if op in (Op.SEND, Op.RECV):
+                peer = int(c["peer"][row])
+                expected[k] = {r.rank, peer} if peer >= 0 else {r.rank}
+            else:
+                expected[k] = set(members.get(int(c["group_id"][row]), (r.rank,)))
+    last = {k: max(t for _, _, t in a) for k, a in arrivals.items()}
+    ok = {}
+    for k, a in arrivals.items():
+        present = {rk for rk, _, _ in a}
+        # a member whose log starts after this call's last arrival lost it to its ring: not missing
+        missing = {m for m in expected[k] - present if not (m in start and start[m] > last[k])}
+        ok[k] = not missing
+    # a GPU stream runs in order: after a call that cannot complete, nothing of that rank completes
+    changed = True
+    while changed:
+        changed = False
+        for r in ranks:
+            ks = inst[r.rank].tolist()
+            stuck = next((i for i, k in enumerate(ks) if not ok[k]), None)
+            if stuck is None:
+                continue
+            for k in ks[stuck + 1:]:
+                if ok[k]:
+                    ok[k] = False
+                    changed = True
+    for r in ranks:
+        c = r.columns
+        ks = inst[r.rank].tolist()
+        done = np.array([ok[k] for k in ks], bool)
+        c["state"][:] = np.where(done, State.COMPLETED, State.ENQUEUED)
+        c["t_complete"][:] = np.where(done, np.array([last[k] for k in ks], np.int64) if ks else 0, 0)
+        c["flags"][:] = np.where(done, 0, Flag.ASYNC)  # queued behind the first stuck call ...
+        first = np.flatnonzero(~done)
+        if len(first):
+            c["flags"][first[0]] = 0  # ... which is the call the rank waits in

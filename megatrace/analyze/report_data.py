@@ -1,0 +1,201 @@
+"""What the HTML report needs beyond the findings, as plain JSON: ``findings.json`` → ``analysis.report``.
+
+The report (:mod:`megatrace.report`) renders from ``findings.json`` alone, so the
+analysis exports here, in a compact columnar form (schema in
+docs/findings-schema.md, section ``analysis.report``):
+
+* ``ranks``: per rank (index = rank) its host, GPU and end-of-trace status;
+* ``wait_for``: the hang wait-for graph, nearest the root causes first, capped;
+* ``timeline``: each rank's last operations (the incident window), aligned clocks;
+* ``delay``: the rank × rank excess transfer time matrix (small worlds only);
+* ``job``: the traced command line, versions and the recorded NCCL_/SLURM_ settings.
+
+Sizes are bounded so that the export stays a few MB at 16,384 ranks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from megatrace.analyze.index import op_name
+from megatrace.analyze.traceset import TraceSet
+from megatrace.trace.ring_format import Op, State
+
+REPORT_DATA_VERSION = 1
+TIMELINE_BUDGET = 32_000  # operations exported in the timeline over all ranks ...
+TIMELINE_MIN_OPS, TIMELINE_MAX_OPS = 2, 48  # ... as each rank's last N, N in this range; the culprits and the
+#                                             ranks nearest them in the wait-for graph always get the maximum
+MAX_GRAPH_NODES = 48  # wait-for graph nodes exported, nearest the root causes first
+MAX_GROUP_RANKS = 64  # members listed per group in the timeline's group table (size is always given)
+DELAY_MAX_RANKS = 256  # the delay matrix is exported up to this world size
+JOB_ENV_PREFIXES = ("NCCL_", "SLURM_", "TORCH_", "CUDA_", "GLOO_", "MEGATRACE_", "MASTER_", "WORLD_SIZE", "OMP_")
+STATE_NAMES = {int(State.ENQUEUED): "enqueued", int(State.COMPLETED): "completed", int(State.FAILED): "failed"}
+
+
+def report_data(trace: TraceSet, clock: Any, results: dict[str, Any]) -> dict[str, Any]:
+    """The ``analysis.report`` object (see the module docstring)."""
+    hang = results.get("hang")
+    wait_for = _wait_for(hang)
+    focus = {int(n["id"][1:]) for n in (wait_for or {}).get("nodes", []) if n["kind"] == "rank"}
+    focus |= {r for root in (hang.roots if hang is not None else []) for r in root.ranks}
+    out: dict[str, Any] = {"version": REPORT_DATA_VERSION, "ranks": _ranks(trace, hang),
+                           "wait_for": wait_for, "timeline": _timeline(trace, clock, hang, focus),
+                           "delay": _delay(results.get("stragglers")), "job": _job(trace)}
+    if results.get("command"):
+        out["command"] = str(results["command"])
+    return out
+
+
+def _ranks(trace: TraceSet, hang: Any) -> dict[str, Any]:
+    hosts: list[str] = []
+    host_ix: dict[str, int] = {}
+    host_col, gpu_col, status_col = [], [], []
+    names: list[str] = []
+    name_ix: dict[str, int] = {}
+    status = hang.status if hang is not None else {}
+    for r in range(trace.world_size):
+        h = trace.host_of(r)
+        if h is None:
+            host_col.append(-1)
+        else:
+            host_col.append(host_ix.setdefault(h, len(hosts)))
+            if host_ix[h] == len(hosts):
+                hosts.append(h)
+        g = trace.local_rank_of(r)
+        gpu_col.append(-1 if g is None else int(g))
+        s = status.get(r)
+        s = "missing" if r in trace.missing_ranks else (s.value if s is not None else "unknown")
+        if s not in name_ix:
+            name_ix[s] = len(names)
+            names.append(s)
+        status_col.append(name_ix[s])
+    return {"hosts": hosts, "host": host_col, "gpu": gpu_col, "statuses": names, "status": status_col}
+
+
+def _node_id(node: Hashable) -> str:
+    if isinstance(node, (int, np.integer)):
+        return f"r{int(node)}"
+    if isinstance(node, tuple) and node and node[0] == "inst":
+        return f"i{node[1]}"
+    if isinstance(node, tuple) and node and node[0] == "link":
+        return f"l{node[1]}-{node[2]}"
+    return "n" + "-".join(map(str, node)) if isinstance(node, tuple) else f"n{node}"
+
+
+def _wait_for(hang: Any) -> dict[str, Any] | None:
+    """Nodes (ranks, collective instances, links) and edges, breadth-first back from the root causes."""
+    if hang is None or not hang.roots:
+        return None
+    g = hang.graph
+    root_nodes: list[Hashable] = []
+    for root in hang.roots:
+        nodes = root.node if root.kind == "cycle" and isinstance(root.node, tuple) else (root.node,)
+        root_nodes += [n for n in nodes if n in g]
+    labels: dict[Hashable, str] = {}
+    for waits in hang.waits.values():
+        for w in waits:
+            if w.target is not None and not isinstance(w.target, (int, np.integer)):
+                labels.setdefault(w.target, w.label)
+    seen: list[Hashable] = []
+    queue = deque(root_nodes)
+    visited = set(root_nodes)
+    while queue and len(seen) < MAX_GRAPH_NODES:
+        n = queue.popleft()
+        seen.append(n)
+        for p in sorted(g.predecessors(n), key=str):
+            if p not in visited:
+                visited.add(p)
+                queue.append(p)
+    keep = set(seen)
+    roots = set(root_nodes)
+    nodes = []
+    for n in seen:
+        if isinstance(n, (int, np.integer)):
+            kind, label = "rank", f"rank {int(n)}"
+        elif isinstance(n, tuple) and n[0] == "link":
+            kind, label = "link", f"link {n[1]} → {n[2]}"
+        else:
+            kind, label = "instance", labels.get(n, str(n))
+        nodes.append({"id": _node_id(n), "kind": kind, "label": label, "root": n in roots})
+    edges = []
+    for a, b, attrs in g.edges(data=True):
+        if a in keep and b in keep:
+            w = attrs.get("wait")
+            edges.append({"src": _node_id(a), "dst": _node_id(b), "label": w.label if w is not None else "not entered"})
+    return {"nodes": nodes, "edges": edges, "omitted": max(0, g.number_of_nodes() - len(nodes))}
+
+
+def _timeline(trace: TraceSet, clock: Any, hang: Any, focus: set[int]) -> dict[str, Any] | None:
+    """Each rank's last N operations (markers excluded; ``focus`` ranks: the last ``TIMELINE_MAX_OPS``),
+    times in µs from the window start."""
+    rec = trace.records
+    if not len(rec):
+        return None
+    rows = np.flatnonzero(rec.op < Op.MARK_STEP)
+    if not len(rows):
+        return None
+    per_rank = max(TIMELINE_MIN_OPS, min(TIMELINE_MAX_OPS, TIMELINE_BUDGET // max(1, len(trace.ranks))))
+    pos = np.searchsorted(trace.starts, rows, side="right") - 1
+    counts = np.bincount(pos, minlength=len(trace.ranks))
+    ends = np.cumsum(counts)
+    from_end = ends[pos] - 1 - np.arange(len(rows))
+    keep = from_end < per_rank
+    if focus and per_rank < TIMELINE_MAX_OPS:
+        keep |= np.isin(rec.rank[rows], np.fromiter(focus, np.int64)) & (from_end < TIMELINE_MAX_OPS)
+    sel = rows[keep]
+    te, tc = clock.t_enqueue[sel], clock.t_complete[sel]
+    t0 = int(te.min())
+    end = int(max(te.max(), tc.max()))
+    if hang is not None and hang.end_ns:
+        end = max(end, int(hang.end_ns))
+    incident = None
+    if hang is not None and hang.roots:
+        stops = [r.stop_ns for r in hang.roots if r.stop_ns is not None]
+        incident = min(stops) if stops else int(hang.end_ns)
+    gids = rec.group_id[sel]
+    uniq, gidx = np.unique(gids, return_inverse=True)
+    groups = []
+    for gid in uniq.tolist():
+        g = trace.groups.get(int(gid))
+        members = list(g.ranks) if g is not None else []
+        groups.append({"gid": int(gid), "kind": g.kind if g is not None else f"group {gid}",
+                       "size": len(members), "ranks": members[:MAX_GROUP_RANKS],
+                       "label": trace.group_label(int(gid))})
+    ops_u, opx = np.unique(rec.op[sel], return_inverse=True)
+    done = (tc > 0) & (rec.state[sel] != State.ENQUEUED)
+    dur = np.where(done, (tc - te) // 1000, -1)
+    return {"t0_ns": t0, "end_us": (end - t0) // 1000, "incident_us": None if incident is None else
+            (int(incident) - t0) // 1000, "per_rank": int(per_rank), "groups": groups,
+            "ops": [op_name(int(o)) for o in ops_u.tolist()], "states": STATE_NAMES,
+            "rank": rec.rank[sel].tolist(), "group": gidx.tolist(), "op": opx.tolist(),
+            "seq": rec.group_seq[sel].tolist(), "peer": rec.peer[sel].tolist(), "bytes": rec.nbytes[sel].tolist(),
+            "start_us": ((te - t0) // 1000).tolist(), "dur_us": dur.tolist(), "state": rec.state[sel].tolist()}
+
+
+def _delay(res: Any) -> dict[str, Any] | None:
+    """Excess transfer time per rank pair (µs; null where unmeasured), from the straggler analysis."""
+    if res is None or res.delay is None or len(res.delay) > DELAY_MAX_RANKS or not np.isfinite(res.delay).any():
+        return None
+    m = res.delay
+    cells = [[None if not np.isfinite(v) else int(v // 1000) for v in row] for row in m.tolist()]
+    return {"excess_us": cells, "slow_ranks": list(res.slow_ranks),
+            "slow_links": [sorted((p.a, p.b)) for p in res.slow_links], "step_ns": int(res.step_ns)}
+
+
+def _job(trace: TraceSet) -> dict[str, Any]:
+    """Rank 0's (or the first loaded rank's) command line, versions and runtime settings from its meta file."""
+    out: dict[str, Any] = {}
+    metas = trace.meta or {}
+    for rank in sorted(metas)[:1]:
+        for entry in metas[rank]:
+            if entry.get("kind") == "process":
+                for key in ("argv", "torch", "backend"):
+                    if entry.get(key):
+                        out[key] = entry[key]
+            elif entry.get("kind") == "env" and isinstance(entry.get("vars"), dict):
+                out["env"] = {k: str(v) for k, v in sorted(entry["vars"].items()) if k.startswith(JOB_ENV_PREFIXES)}
+    return out

@@ -1,0 +1,252 @@
+"""PyTorch Flight Recorder dumps from real torch gloo runs: imported, analysed, compared with torchfrtrace.
+
+Two real runs, each once per module: the demo with an injected hang (TP2 x PP2, its opt-in hook
+MEGATRACE_DEMO_FR_DUMP writes every rank's ``_dump_fr_trace()`` each second), and a three-rank
+script whose rank 0 calls one all_reduce with the wrong dtype. ``fault.json`` (ground truth) is read
+by these tests only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # real multi-process torch runs
+
+from megatrace.analyze.engine import analyze  # noqa: E402
+from megatrace.analyze.findings import Kind, Severity  # noqa: E402
+from megatrace.analyze.importers import detect_format  # noqa: E402
+from megatrace.analyze.importers.flight_recorder import find_dumps, read_dump  # noqa: E402
+from megatrace.analyze.importers.safe_pickle import UnsafePickleError, safe_loads  # noqa: E402
+from megatrace.analyze.load import load_trace  # noqa: E402
+from megatrace.analyze.traceset import TraceLoadError  # noqa: E402
+from megatrace.cli import main  # noqa: E402
+from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
+from megatrace.trace.ring_format import Op, State  # noqa: E402
+
+FR_ENV = {"TORCH_FR_BUFFER_SIZE": "2000"}
+
+
+@pytest.fixture(scope="module")
+def hang_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo, rank 1 hangs at step 2; rings and Flight Recorder dumps (out/fr/fr_rank_<R>)."""
+    out = tmp_path_factory.mktemp("fr") / "hang"
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {**FR_ENV, "MEGATRACE_DEMO_FR_DUMP": str(out / "fr")}.items():
+            mp.setenv(k, v)
+        run_local(DemoOptions(tp=2, pp=2, dp=1, steps=4, faults=("hang:rank=1,step=2",), out=out, stall_s=8.0),
+                  log=lambda msg: None)
+    steps = (out / "metrics" / "rank-00001.jsonl").read_text().count("\n")
+    assert steps == 2, f"the demo stopped at step {steps}, not at the injected hang (machine overloaded?)"
+    return out
+
+
+MISMATCH_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    rank, out, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    for _ in range(3):
+        dist.all_reduce(torch.ones(4))
+    # the bug: rank 0 reduces int32 where the others reduce float32 (same byte count: gloo does not notice)
+    dist.all_reduce(torch.ones(4, dtype=torch.int32 if rank == 0 else torch.float32))
+    for _ in range(2):
+        dist.all_reduce(torch.ones(4))
+    import time
+    time.sleep(1.0)  # let the recorder retire the last calls: both dumps below must see the same states
+    open(f"{out}/fr_rank_{rank}", "wb").write(torch._C._distributed_c10d._dump_fr_trace())
+    open(f"{out}/json/fr_rank_{rank}.json", "wb").write(torch._C._distributed_c10d._dump_fr_trace_json())
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture(scope="module")
+def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three real gloo ranks; rank 0 (torchfrtrace's reference rank) calls all_reduce #4 with the wrong dtype."""
+    import socket
+
+    out = tmp_path_factory.mktemp("fr") / "mismatch"
+    (out / "json").mkdir(parents=True)
+    script = out.parent / "mismatch.py"
+    script.write_text(MISMATCH_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, **FR_ENV, "MEGATRACE_ENABLE": "0"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(out), port], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err.decode()[-2000:]
+    return out
+
+
+def test_real_dumps_have_the_fields_the_importer_reads(hang_run: Path) -> None:
+    dumps = find_dumps(hang_run / "fr")
+    assert [p.name for p in dumps] == [f"fr_rank_{r}" for r in range(4)]
+    dump = read_dump(dumps[0])
+    assert {"version", "pg_config", "pg_status", "entries", "comm_lib_version"} <= set(dump)
+    entry = dump["entries"][-1]
+    assert {"record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "op_id", "profiling_name",
+            "time_created_ns", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "state",
+            "time_discovered_started_ns", "time_discovered_completed_ns", "retired", "timeout_ms",
+            "is_p2p"} <= set(entry)  # (no "frames": the demo's hook dumps without stack traces)
+    assert entry["profiling_name"] == "gloo:all_reduce" and entry["process_group"][1] == "tp"
+
+
+def test_the_demo_hang_is_named_from_flight_recorder_dumps_alone(hang_run: Path) -> None:
+    (fault,) = json.loads((hang_run / "fault.json").read_text())["faults"]
+    assert detect_format(hang_run) == "rings"  # the rings win when both are there ...
+    trace = load_trace(hang_run, format="flight-recorder")  # ... so force the dumps
+    assert trace.job_id == "flight-recorder" and list(trace.ranks) == [0, 1, 2, 3]
+    tp = {g.ranks for g in trace.groups.values() if g.desc == "tp"}
+    assert tp == {(0, 1), (2, 3)}
+    rec = trace.records
+    rows = trace.rows(0)
+    assert set(rec.op[rows].tolist()) == {Op.ALL_REDUCE}  # gloo records collectives only
+    assert rec.state[rows][-1] == State.ENQUEUED  # rank 0 waits in its last all_reduce: not retired
+    assert trace.completion_times == "inferred"  # gloo: retired entries carry no completion time
+    result = analyze(hang_run, format="flight-recorder")
+    top = result.findings[0]
+    assert top.kind == Kind.COMPUTE_HANG and top.severity == Severity.CRITICAL, top.verdict
+    assert top.subject.rank == fault["rank"], top.verdict
+
+
+def test_the_cli_detects_dumps_in_a_subdirectory(hang_run: Path, tmp_path: Path) -> None:
+    only = tmp_path / "dumps"
+    (only / "fr").mkdir(parents=True)
+    for p in find_dumps(hang_run / "fr"):
+        (only / "fr" / p.name).write_bytes(p.read_bytes())
+    (only / "layout.yaml").write_text((hang_run / "layout.yaml").read_text())
+    result = CliRunner().invoke(main, ["analyze", str(only), "--no-report", "--json", str(tmp_path / "f.json")])
+    assert result.exit_code == 0, result.output
+    verdict = result.output.splitlines()[0]
+    assert verdict.startswith("VERDICT") and "rank 1 " in verdict, result.output
+    doc = json.loads((tmp_path / "f.json").read_text())
+    assert doc["findings"][0]["subject"]["rank"] == 1
+
+
+def _torchfrtrace_culprits(dumps: Path, tmp: Path) -> set[int]:
+    """Run torch's own analyzer (torchfrtrace) and collect the ranks it calls culprits.
+
+    gloo leaves ``pg_config`` empty, where NCCL records each group's members; torchfrtrace needs them, so
+    the copies it reads get the world group's members filled in as NCCL would record them.
+    """
+    tmp.mkdir()
+    for p in find_dumps(dumps):
+        dump = pickle.loads(p.read_bytes())  # our own run's dump: trusted
+        dump["pg_config"] = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}}
+        (tmp / p.name).write_bytes(pickle.dumps(dump))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "COLLECTIVE_DTYPE_MISMATCH" in run.stdout + run.stderr
+    return {int(r) for r in re.findall(r"Culprit rank (\d+)", run.stdout + run.stderr)}
+
+
+def test_torchfrtrace_blames_the_good_ranks_when_its_reference_rank_is_the_bad_one(mismatch_run: Path,
+                                                                                    tmp_path: Path) -> None:
+    blamed = _torchfrtrace_culprits(mismatch_run, tmp_path / "frtrace")
+    assert blamed == {1, 2}  # torchfrtrace compares everyone with rank 0 and assumes rank 0 is right
+    result = analyze(mismatch_run)
+    top = result.findings[0]
+    assert top.kind == Kind.COLLECTIVE_MISMATCH, top.verdict
+    assert top.subject.ranks == (0,), top.verdict  # MegaTrace: rank 0 is the odd one out
+    assert "rank 0 is the odd one out" in top.verdict and "int32 on ranks [0]" in top.verdict
+
+
+def test_json_dumps_give_the_same_trace_as_pickles(mismatch_run: Path) -> None:
+    assert read_dump(mismatch_run / "fr_rank_0")["entries"][3]["frames"]  # dumped with stack traces
+    from_pickle = load_trace(mismatch_run, format="flight-recorder")
+    from_json = load_trace(mismatch_run / "json", format="flight-recorder")
+    for name in ("rank", "group_seq", "op", "dtype", "nbytes", "t_enqueue", "state"):
+        assert getattr(from_json.records, name).tolist() == getattr(from_pickle.records, name).tolist(), name
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204 - what an attacker's pickle does
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_malicious_pickle_is_refused_without_running_it(mismatch_run: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    real = pickle.loads((mismatch_run / "fr_rank_1").read_bytes())
+    real["entries"][0]["frames"] = [_Evil(marker)]  # a real dump with one poisoned value
+    blob = pickle.dumps(real)
+    assert marker.exists() is False
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        with pytest.raises(UnsafePickleError, match=r"evil.pkl: refused to unpickle: opcode (STACK_GLOBAL|GLOBAL)"):
+            safe_loads(pickle.dumps(real, protocol=protocol), "evil.pkl")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "fr_rank_0").write_bytes(blob)
+    with pytest.raises(TraceLoadError, match=r"fr_rank_0: refused to unpickle"):
+        load_trace(bad)
+    assert not marker.exists()
+    for payload in (pickle.dumps(Path("/etc")), pickle.dumps({"a": {1, 2}, "b": range(3)})):
+        with pytest.raises(UnsafePickleError):
+            safe_loads(payload)
+    assert safe_loads(pickle.dumps({"a": [1, 2.5, None, (True, "x")], "b": {3}})) == \
+        {"a": [1, 2.5, None, (True, "x")], "b": {3}}
+
+
+def test_truncated_damaged_and_mixed_inputs_name_the_file(mismatch_run: Path, tmp_path: Path) -> None:
+    real = (mismatch_run / "fr_rank_2").read_bytes()
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "fr_rank_2").write_bytes(real[: len(real) // 2])
+    with pytest.raises(TraceLoadError, match=r"cut/fr_rank_2: not a readable pickle \(truncated or damaged\)"):
+        load_trace(cut)
+    field = tmp_path / "field"
+    field.mkdir()
+    dump = pickle.loads(real)
+    del dump["entries"][3]["profiling_name"]
+    (field / "fr_rank_2").write_bytes(pickle.dumps(dump))
+    with pytest.raises(TraceLoadError, match=r"field/fr_rank_2: entry 3: missing profiling_name"):
+        load_trace(field)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    text = (mismatch_run / "json" / "fr_rank_0.json").read_text()
+    (broken / "fr_rank_0.json").write_text(text[: len(text) // 3])
+    with pytest.raises(TraceLoadError, match=r"broken/fr_rank_0.json, line \d+: not a Flight Recorder dump"):
+        load_trace(broken, format="flight-recorder")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "fr_rank_0").write_bytes(real)
+    (mixed / "rank_1.log").write_text("[save_count 1] [1755590104.253968145] [Rank 1] Fun AllReduce Data 4 "
+                                      "stream 0x55919d27b4b0 opCount 0\n")
+    with pytest.raises(TraceLoadError, match=r"more than one trace format.*flight-recorder.*nccl-log.*--format"):
+        load_trace(mixed)
+
+
+def test_export_writes_a_perfetto_trace_of_imported_dumps(mismatch_run: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "trace.json"
+    result = runner.invoke(main, ["export", str(mismatch_run), "--perfetto", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    events = json.loads(out.read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in slices} == {0, 1, 2} and len(slices) == 18  # 6 all_reduces on each of 3 ranks
+    assert runner.invoke(main, ["export", str(mismatch_run)]).exit_code == 2  # no export format chosen
+    missing = runner.invoke(main, ["export", str(tmp_path / "nothing"), "--perfetto"])
+    assert missing.exit_code == 1 and missing.output.startswith("Error:")
+
+
+def test_the_cli_offers_every_importer() -> None:
+    from megatrace.analyze.importers import FORMATS
+    from megatrace.cli import TRACE_FORMATS
+
+    assert TRACE_FORMATS == FORMATS

@@ -1,0 +1,170 @@
+"""Megatrace NCCL-patch logs written from a real demo run, imported and analysed.
+
+The demo (TP2 x PP2 on gloo, rank 2 hangs at step 2) runs once; its rings are turned into
+``rank_<R>.log`` files by :func:`write_nccl_logs`, a small writer of the patch's exact line format:
+element counts, process-local stream pointers, per-communicator opCounts (a batch of send/recv
+shares one), a one-rank communicator that logs opCount 0, overlapping dumps of a ring of lines, with
+or without ``groupHash``. ``fault.json`` (ground truth) is read by these tests only.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # real multi-process torch runs
+
+from megatrace.analyze.engine import analyze  # noqa: E402
+from megatrace.analyze.findings import Kind, Severity  # noqa: E402
+from megatrace.analyze.load import load_trace  # noqa: E402
+from megatrace.analyze.traceset import TraceLoadError, TraceSet  # noqa: E402
+from megatrace.cli import main  # noqa: E402
+from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
+from megatrace.trace.ring_format import Flag, Op, State  # noqa: E402
+
+FUNCS = {Op.ALL_REDUCE: "AllReduce", Op.ALL_GATHER: "AllGather", Op.REDUCE_SCATTER: "ReduceScatter",
+         Op.BROADCAST: "Broadcast", Op.REDUCE: "Reduce", Op.SEND: "Send", Op.RECV: "Recv"}
+
+
+def _calls(trace: TraceSet, rank: int) -> list[tuple[int, str, int, str, int, int]]:
+    """One rank's calls as the patch would log them: (wall ns, Fun, Data, stream, opCount, groupHash)."""
+    rec, info = trace.records, trace.info(rank)
+    rows = trace.rows(rank)
+    op_count: dict[int, int] = {}
+    batch_end: dict[int, int] = {}
+    out = []
+    for i in range(rows.start, rows.stop):
+        op = int(rec.op[i])
+        if op not in FUNCS:
+            continue
+        gid = int(rec.group_id[i])
+        members = trace.groups[gid].ranks
+        # a batch of send/recv is one NCCL group: one kernel launch, one opCount
+        batched = bool(rec.flags[i] & Flag.BATCHED) and rec.t_enqueue[i] <= batch_end.get(gid, -1)
+        if not batched:
+            op_count[gid] = op_count.get(gid, -1) + 1
+        batch_end[gid] = max(batch_end.get(gid, -1), int(rec.t_complete[i])) if rec.flags[i] & Flag.BATCHED else -1
+        wall = info.anchor_wall_ns + int(rec.t_enqueue[i]) - info.anchor_mono_ns
+        stream = f"0x{0x55919d000000 + 0x10000 * rank + 0x100 * sorted(trace.groups).index(gid):x}"
+        ghash = zlib.crc32(",".join(map(str, members)).encode())
+        out.append((wall, FUNCS[op], int(rec.nbytes[i]) // 4, stream, op_count[gid], ghash))
+        if len(out) % 7 == 0:  # a one-rank communicator: its opCount stays 0
+            out.append((wall + 1000, "Broadcast", 1, f"0x{0x77000000 + rank:x}", 0, 1_000_000 + rank))
+    return out
+
+
+def write_nccl_logs(trace: TraceSet, out: Path, *, group_hash: bool, ring: int = 9999, dump_every: int = 40) -> dict:
+    """The demo's calls as ``rank_<R>.log`` files of the NCCL patch; returns rank -> calls written.
+
+    Every ``dump_every`` calls (the patch dumps when the rank goes idle) and at the end, the rank's ring
+    of the last ``ring`` lines is appended as one dump (``save_count`` 1, 2, ...): dumps overlap.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for rank in trace.ranks.tolist():
+        calls = _calls(trace, rank)
+        written[rank] = calls
+        lines = []
+        ends = list(range(dump_every, len(calls), dump_every)) + [len(calls)]
+        for save, end in enumerate(ends, start=1):
+            for wall, fun, data, stream, count, ghash in calls[max(0, end - ring):end]:
+                lines.append(f"[save_count {save}] [{wall // 10**9}.{wall % 10**9:09d}] [Rank {rank}] Fun {fun} "
+                             f"Data {data} stream {stream} opCount {count}" + (f" groupHash {ghash}" if group_hash
+                                                                               else ""))
+        (out / f"rank_{rank}.log").write_text("\n".join(lines) + "\n")
+    layout = trace.layout
+    (out / "config.yaml").write_text(f"TP: {layout.tp}\nPP: {layout.pp}\nworld_size: {layout.world_size}\n")
+    return written
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[TraceSet, int]:
+    out = tmp_path_factory.mktemp("nccl") / "hang"
+    run_local(DemoOptions(tp=2, pp=2, dp=1, steps=4, faults=("hang:rank=2,step=2",), out=out, stall_s=8.0),
+              log=lambda msg: None)
+    (fault,) = json.loads((out / "fault.json").read_text())["faults"]
+    steps = (out / "metrics" / f"rank-{fault['rank']:05d}.jsonl").read_text().count("\n")
+    assert steps == 2, f"the demo stopped at step {steps}, not at the injected hang (machine overloaded?)"
+    return load_trace(out), fault["rank"]
+
+
+@pytest.mark.parametrize("group_hash", [True, False], ids=["groupHash", "no-groupHash"])
+def test_the_hung_rank_is_named_from_nccl_logs(demo: tuple[TraceSet, int], tmp_path: Path, group_hash: bool) -> None:
+    trace, culprit = demo
+    written = write_nccl_logs(trace, tmp_path / "logs", group_hash=group_hash)
+    text = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert text.count("\n") > len(written[0]) and ("groupHash" in text) == group_hash  # overlapping dumps
+    got = load_trace(tmp_path / "logs")
+    assert got.job_id == "nccl-log"
+    for rank, calls in written.items():
+        assert got.info(rank).n_records == len(calls)  # every call once, whatever the overlap
+    # the communicators: both TP groups and the PP groups, found with or without groupHash
+    kinds = {(g.desc, g.ranks) for g in got.groups.values() if len(g.ranks) > 1}
+    assert {("tp", (0, 1)), ("tp", (2, 3)), ("pp", (0, 2)), ("pp", (1, 3))} <= kinds
+    result = analyze(tmp_path / "logs")
+    assert got.completion_times == "inferred"  # enqueue times only: no straggler guessed from them
+    assert {"critical_path", "stragglers"} <= set(result.results["skipped_stages"])
+    top = result.findings[0]
+    assert top.kind == Kind.COMPUTE_HANG, top.verdict
+    assert top.subject.rank == culprit, top.verdict
+    assert top.severity in (Severity.CRITICAL, Severity.WARNING)
+
+
+def test_completions_are_inferred_from_arrivals(demo: tuple[TraceSet, int], tmp_path: Path) -> None:
+    trace, culprit = demo
+    write_nccl_logs(trace, tmp_path / "logs", group_hash=True)
+    got = load_trace(tmp_path / "logs")
+    rec = got.records
+    done = rec.state == State.COMPLETED
+    assert done.mean() > 0.9  # all but the calls stuck at the end
+    assert (rec.t_complete[done] >= rec.t_enqueue[done]).all()
+    stuck = np.flatnonzero(~done)
+    assert set(rec.rank[stuck].tolist()) <= {0, 1, 3} and culprit not in rec.rank[stuck].tolist()
+
+
+def test_a_wrapped_ring_with_sparse_dumps_still_names_the_culprit(demo: tuple[TraceSet, int], tmp_path: Path) -> None:
+    trace, culprit = demo
+    written = write_nccl_logs(trace, tmp_path / "logs", group_hash=False, ring=25, dump_every=40)
+    got = load_trace(tmp_path / "logs")
+    assert any(got.info(r).n_records < len(c) for r, c in written.items())  # lines lost between dumps
+    top = analyze(tmp_path / "logs").findings[0]
+    assert top.kind == Kind.COMPUTE_HANG and top.subject.rank == culprit, top.verdict
+
+
+def test_the_cli_reads_nccl_logs(demo: tuple[TraceSet, int], tmp_path: Path) -> None:
+    trace, culprit = demo
+    write_nccl_logs(trace, tmp_path / "logs", group_hash=True)
+    result = CliRunner().invoke(main, ["analyze", str(tmp_path / "logs"), "--format", "nccl-log", "--no-report"])
+    assert result.exit_code == 0, result.output
+    assert f"rank {culprit} " in result.output.splitlines()[0], result.output
+
+
+def test_broken_truncated_and_mixed_logs_name_the_file_and_line(demo: tuple[TraceSet, int], tmp_path: Path) -> None:
+    trace, _ = demo
+    write_nccl_logs(trace, tmp_path / "logs", group_hash=True)
+    log = tmp_path / "logs" / "rank_1.log"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines[:5] + ["[save_count 1] [17555901.2539] [Rank 1] Fun AllReduce Data twelve"]
+                             + lines[5:]) + "\n")
+    with pytest.raises(TraceLoadError, match=r"rank_1.log, line 6: not a Megatrace NCCL log line"):
+        load_trace(tmp_path / "logs")
+    log.write_text("\n".join(lines[:5] + [lines[5].replace("[Rank 1]", "[Rank 3]")] + lines[6:]) + "\n")
+    with pytest.raises(TraceLoadError, match=r"rank_1.log, line 6: \[Rank 3\] in the file of rank 1"):
+        load_trace(tmp_path / "logs")
+    log.write_text("\n".join(lines[:5] + [lines[5].split(" groupHash")[0]] + lines[6:]) + "\n")
+    with pytest.raises(TraceLoadError, match=r"rank_1.log: some lines carry a groupHash and some do not"):
+        load_trace(tmp_path / "logs")
+    log.write_text("\n".join(lines) + "\n" + lines[-1][:30])  # the patch was killed mid-line
+    got = load_trace(tmp_path / "logs")
+    torn = [p for p in got.problems if p.code == "nccl-log-torn"]
+    assert torn and f"rank_1.log, line {len(lines) + 1}: last line cut off" in torn[0].message
+    log3 = tmp_path / "logs" / "rank_3.log"  # one rank's file from an older build, without groupHash
+    log3.write_text("".join(line.split(" groupHash")[0] + "\n" for line in log3.read_text().splitlines()))
+    with pytest.raises(TraceLoadError, match=r"rank_3.log: no groupHash, while .*rank_0.log has them"):
+        load_trace(tmp_path / "logs")
