@@ -75,8 +75,9 @@ def test_a_slow_rank_is_named_by_the_top_finding(tmp_path: Path, factor: float) 
     assert top.severity == Severity.WARNING and top.kind.value == "straggler", why
     assert top.subject.rank == rank, why
     assert [f.subject.rank for f in result.at_least(Severity.WARNING)] == [rank], why
-    shares = result.results["critical_path"].median_share("rank")
-    assert max(shares, key=shares.get) == rank, shares
+    if factor >= 1.5:  # at 1.2 the rank's extra compute is real but need not dominate the critical path
+        shares = result.results["critical_path"].median_share("rank")
+        assert max(shares, key=shares.get) == rank, shares
 
 
 @pytest.mark.slow

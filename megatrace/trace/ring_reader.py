@@ -383,17 +383,26 @@ def _will_need(fd: int, offset: int, length: int) -> None:
 _FADVISE = hasattr(os, "posix_fadvise")
 
 
+_FRESHER = object()  # _tail_of: the counter moved on by more than the window while the tail was read
+
+
 def _read_tail(path: str, last: int, retries: int, retry_sleep: float) -> RingSnapshot:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        header, problems = parse_header(path, os.pread(fd, _HEADER_USED, 0), size)
-        cap = header.capacity
-        if problems and size != fmt.file_size(cap):
-            raise _geometry_error(path, cap, size, fmt.file_size(cap))
         snap = None
-        if last + 2 <= cap and header.write_counter < _COUNTER_LIMIT:
-            snap = _tail_of(fd, path, header, problems, size, last, retries, retry_sleep)
+        for _ in range(retries + 1):  # a header that was stale by more than the window: read it again
+            header, problems = parse_header(path, os.pread(fd, _HEADER_USED, 0), size)
+            cap = header.capacity
+            if problems and size != fmt.file_size(cap):
+                raise _geometry_error(path, cap, size, fmt.file_size(cap))
+            snap = None
+            if last + 2 <= cap and header.write_counter < _COUNTER_LIMIT:
+                snap = _tail_of(fd, path, header, problems, size, last, retries, retry_sleep)
+            if snap is not _FRESHER:
+                break
+        if snap is _FRESHER:
+            snap = None
     finally:
         os.close(fd)
     # A small ring, a garbage or stale write counter, or a damaged tail: read it all and keep the tail.
@@ -401,7 +410,7 @@ def _read_tail(path: str, last: int, retries: int, retry_sleep: float) -> RingSn
 
 
 def _tail_of(fd: int, path: str, header: RingHeader, problems: list[ReadProblem], size: int, last: int,
-             retries: int, retry_sleep: float) -> RingSnapshot | None:
+             retries: int, retry_sleep: float) -> RingSnapshot | None | object:
     """The newest ``last`` records near the write counter; None when the counter cannot be trusted to find them."""
     cap, counter = header.capacity, header.write_counter
     hi = counter + 1  # the writer may have committed one record past its counter (format section 6.3)
@@ -441,6 +450,8 @@ def _tail_of(fd: int, path: str, header: RingHeader, problems: list[ReadProblem]
         now = fmt.WRITE_COUNTER.unpack(os.pread(fd, 8, fmt.WRITE_COUNTER_OFFSET))[0]
         if now <= counter:
             return None  # a stale counter, not a live writer: the newest records may be anywhere
+        if now > counter + last:
+            return _FRESHER  # the window read is older than the writer's whole window now: read again
         # else a live writer moved on while the file was read: the snapshot ends where its counter was
     found = np.flatnonzero(exact[:-1])
     newest = int(seqs[found[-1]]) if len(found) else 0
