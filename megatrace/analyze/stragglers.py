@@ -53,6 +53,8 @@ MIN_INTERVAL_NS = 1_000_000  # intervals shorter than this on the peers are call
 MIN_INTERVALS = 30  # intervals needed for the finer test
 MIN_INTERVAL_RATIO = 1.1  # the rank's median interval is at least 10% longer than its peers' ...
 MAX_INTERVAL_P = 1e-3  # ... and it is slower in so many intervals that chance explains it with p < 0.1%
+SAME_SPEED_RATIO = 1.05  # call by call within 5% of its peers over enough intervals: the rank computes as fast as
+#                          they do, and a per-step excess comes from elsewhere (short gaps, waits): not a straggler
 MAX_LISTED = 8  # ranks or links named one by one in a finding
 
 
@@ -276,8 +278,9 @@ def judge(stats: dict[int, RankStats], step_ns: int) -> list[int]:
     flagged = []
     for s in stats.values():
         s.confidence = _confidence(s, len(s.group) - 1)
+        same_speed = s.intervals >= MIN_INTERVALS and s.interval_ratio < SAME_SPEED_RATIO
         per_step = (s.excess_ns >= MIN_EXCESS_NS and s.relative >= MIN_EXCESS_REL
-                    and s.consistency >= MIN_CONSISTENCY)
+                    and s.consistency >= MIN_CONSISTENCY and not same_speed)
         s.straggler = (s.steps >= MIN_STEPS and s.excess_ns >= MIN_STEP_SHARE * step_ns
                        and (per_step or _slow_by_intervals(s)))
         if s.straggler:
