@@ -23,6 +23,7 @@ import yaml
 from megatrace.check.gpu import GpuThresholds
 from megatrace.check.host import HostThresholds
 from megatrace.check.network import NetThresholds
+from megatrace.config import read_yaml
 
 CALIBRATION_SHARE = 0.8  # a calibrated floor: this share of what the healthy allocation measured
 
@@ -45,12 +46,7 @@ def load_thresholds(path: str | Path | None) -> Thresholds:
     """The built-in defaults, overridden by the file at ``path`` (None: defaults only)."""
     if path is None:
         return Thresholds()
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ThresholdsError(f"{path}: cannot read thresholds: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ThresholdsError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path, ThresholdsError, "thresholds") or {}
     if not isinstance(data, dict):
         raise ThresholdsError(f"{path}: expected a mapping with sections gpu, node, net")
     defaults = Thresholds()

@@ -19,8 +19,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from megatrace.config import read_yaml
 from megatrace.files import write_atomic
 from megatrace.fleet.history import History
 
@@ -86,12 +86,7 @@ def load_alert_config(path: str | Path | None) -> AlertConfig:
     """Defaults overridden by the YAML at ``path``; unknown keys are errors that name the file and field."""
     if path is None:
         return AlertConfig()
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise AlertConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise AlertConfigError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path, AlertConfigError, "alert settings") or {}
     if not isinstance(data, dict):
         raise AlertConfigError(f"{path}: expected a mapping")
     known = {"levels", "min_level", "dedupe_window_s", "max_per_hour", "webhook", "command", "prom_textfile",
