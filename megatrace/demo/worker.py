@@ -178,7 +178,7 @@ def train(args: argparse.Namespace, env: DistEnv, layout: Layout, faults: list[F
     heartbeat.write_text("ready\n")
     with open(out / "metrics" / f"{name}.jsonl", "w", buffering=1) as metrics:
         for step in range(args.steps):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             injector.start_step(step)
             markers.step(step)
             stats = runner.run(step, actions)
@@ -189,7 +189,8 @@ def train(args: argparse.Namespace, env: DistEnv, layout: Layout, faults: list[F
             optimizer.step()
             injector.end_step()
             record = {"step": step, "step_time_s": round(time.perf_counter() - start, 6),
-                      "compute_s": round(stats.compute_s, 6)}
+                      "compute_s": round(stats.compute_s, 6),
+                      "cpu_s": round(time.process_time() - cpu_start, 6)}  # this process, all its threads
             if stats.loss is not None:
                 record["loss"] = stats.loss
             metrics.write(json.dumps(record) + "\n")

@@ -25,7 +25,7 @@ from functools import partial
 from typing import Any
 
 from megatrace.trace import ring_format as fmt
-from megatrace.trace.completion import CompletionPoller, Handle
+from megatrace.trace.completion import CompletionPoller, Handle, UnwaitedSweeper
 from megatrace.trace.environment import filter_env, job_inputs, library_versions
 from megatrace.trace.ring_writer import RingIdentity, RingOpenError, RingWriter
 from megatrace.trace.settings import TracerSettings
@@ -101,7 +101,7 @@ class Tracer:
         self.torch: Any = None
         self.waits: dict[Any, Handle] = {}  # gloo p2p works without a future -> their record
         self._device_poller: CompletionPoller | None = None
-        self._sweeper: CompletionPoller | None = None
+        self._sweeper: UnwaitedSweeper | None = None
         self._events: list[Any] = []  # free device events
         self.step = -1
 
@@ -201,10 +201,9 @@ class Tracer:
             self._device_poller = CompletionPoller(name="megatrace-device-completion")
         return self._device_poller
 
-    def sweeper(self) -> CompletionPoller:
-        """Catches works nobody waits for; slow, because wait() normally gets there first."""
+    def sweeper(self) -> UnwaitedSweeper:
         if self._sweeper is None:
-            self._sweeper = CompletionPoller(0.05, 0.05, name="megatrace-sweeper")
+            self._sweeper = UnwaitedSweeper(self.waits, _work_done, self.finish_wait)
         return self._sweeper
 
     def finish_wait(self, work: Any, state: int) -> None:
@@ -239,7 +238,8 @@ class Tracer:
             future = work.get_future()
         except Exception:  # noqa: BLE001 - gloo p2p works have no future: wait() records them
             self.waits[work] = handle
-            self.sweeper().add(_work_probe(work), partial(self.finish_wait, work))
+            if self._sweeper is None:
+                self.sweeper().start()
             return
         future.add_done_callback(partial(self._future_done, handle))
 
@@ -250,16 +250,18 @@ class Tracer:
 TRACER = Tracer()
 
 
-def _work_probe(work: Any) -> Any:
-    """A poller probe for a Work: False while running, True when done, raises if it failed."""
-    def probe() -> bool:
-        if not work.is_completed():
-            return False
-        if work.exception() is not None:  # gloo marks a failed p2p work completed, with an exception
-            raise RuntimeError("work failed")
-        return True
+def _work_done(work: Any) -> bool:
+    """False while a Work runs, True once it is done; raises if it failed."""
+    if not work.is_completed():
+        return False
+    if work.exception() is not None:  # gloo marks a failed p2p work completed, with an exception
+        raise RuntimeError("work failed")
+    return True
 
-    return probe
+
+def _work_probe(work: Any) -> Any:
+    """A poller probe for a Work (see :func:`_work_done`)."""
+    return partial(_work_done, work)
 
 
 # -- wrappers -------------------------------------------------------------------
