@@ -269,13 +269,13 @@ def export(trace_dir: str, perfetto: bool, out: str, trace_format: str) -> None:
 
 # Commands that live with their stage; each module imports only click at load time.
 from megatrace.check.command import check_main  # noqa: E402,F401  (the megatrace-check entry point)
-from megatrace.collect.cli import agent as _agent, collect as _collect  # noqa: E402
+from megatrace.collect.cli import agent as _agent, collect as _collect, job_end as _job_end  # noqa: E402
 from megatrace.fleet.command import health as _health, nodes as _nodes  # noqa: E402
 from megatrace.lab.cli import lab as _lab  # noqa: E402
 from megatrace.report.command import report as _report  # noqa: E402
 from megatrace.simulate.command import simulate as _simulate  # noqa: E402
 
-for _command in (_report, _simulate, _health, _nodes, _lab, _collect, _agent):
+for _command in (_report, _simulate, _health, _nodes, _lab, _collect, _agent, _job_end):
     main.add_command(_command)
 
 

@@ -113,6 +113,13 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	return mt_remote_task_init(sp, ac, av);
 }
 
+int slurm_spank_task_exit(spank_t sp, int ac, char **av)
+{
+	if (spank_context() != S_CTX_REMOTE)
+		return 0;
+	return mt_remote_task_exit(sp, ac, av);
+}
+
 int slurm_spank_exit(spank_t sp, int ac, char **av)
 {
 	(void)sp;

@@ -40,6 +40,8 @@ struct mt_site_conf {
 	char megatrace[MT_PATH_MAX]; /* the megatrace executable */
 	char local_dir[MT_PATH_MAX]; /* node-local ring directory base */
 	char fallback_dir[MT_PATH_MAX]; /* used when the job dir cannot be created */
+	char run_dir[MT_PATH_MAX]; /* root-owned: task exit statuses for the epilog */
+	char nccl_preload[MT_PATH_MAX]; /* the NCCL interposer, put in front of each task's LD_PRELOAD */
 	long hang_timeout;
 	enum mt_on_hang on_hang;
 	enum mt_check check;
@@ -64,6 +66,7 @@ int mt_local_post_opt(spank_t sp, int ac, char **av);
 int mt_remote_init(spank_t sp, int ac, char **av);
 int mt_remote_user_init(spank_t sp, int ac, char **av);
 int mt_remote_task_init(spank_t sp, int ac, char **av);
+int mt_remote_task_exit(spank_t sp, int ac, char **av);
 
 /* megatrace.c: the state shared by the context files of one process */
 struct mt_state {

@@ -97,6 +97,7 @@ int mt_conf_parse(struct mt_site_conf *conf, int ac, char **av)
 	mt_snprintf(conf->megatrace, sizeof(conf->megatrace), "%s", "/usr/local/bin/megatrace");
 	mt_snprintf(conf->local_dir, sizeof(conf->local_dir), "%s", "/dev/shm/megatrace");
 	mt_snprintf(conf->fallback_dir, sizeof(conf->fallback_dir), "%s", "/var/tmp/megatrace");
+	mt_snprintf(conf->run_dir, sizeof(conf->run_dir), "%s", "/run/megatrace");
 	conf->hang_timeout = 600;
 	conf->on_hang = MT_ON_HANG_REPORT;
 	conf->check = MT_CHECK_QUICK;
@@ -128,6 +129,14 @@ int mt_conf_parse(struct mt_site_conf *conf, int ac, char **av)
 			if (value[0] != '/' || valid_path(value) ||
 			    mt_snprintf(conf->fallback_dir, sizeof(conf->fallback_dir), "%s", value))
 				goto bad;
+		} else if (KEY("run_dir")) {
+			if (value[0] != '/' || valid_path(value) ||
+			    mt_snprintf(conf->run_dir, sizeof(conf->run_dir), "%s", value))
+				goto bad;
+		} else if (KEY("nccl_preload")) {
+			if (value[0] != '/' || valid_path(value) || strchr(value, ':') || strchr(value, ' ') ||
+			    mt_snprintf(conf->nccl_preload, sizeof(conf->nccl_preload), "%s", value))
+				goto bad;
 		} else if (KEY("hang_timeout")) {
 			if (parse_seconds(value, &conf->hang_timeout))
 				goto bad;
@@ -146,8 +155,8 @@ int mt_conf_parse(struct mt_site_conf *conf, int ac, char **av)
 			if (parse_bool(value, &conf->env_fallback))
 				goto bad;
 		} else {
-			mt_error("unknown plugstack argument '%.*s' (known: megatrace, local_dir, fallback_dir, "
-				 "hang_timeout, on_hang, check, strict, env_fallback)", (int)klen, arg);
+			mt_error("unknown plugstack argument '%.*s' (known: megatrace, local_dir, fallback_dir, run_dir, "
+				 "nccl_preload, hang_timeout, on_hang, check, strict, env_fallback)", (int)klen, arg);
 			return -1;
 		}
 #undef KEY

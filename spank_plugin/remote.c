@@ -5,9 +5,14 @@
  *                reaches the callback; make sure the node-local ring base exists.
  * user_init:     (as the job's user) decide traced or not, create the job
  *                directory; an unwritable one falls back to fallback_dir.
- * task_init:     (as the job's user, per task) the tracer's environment.
+ * task_init:     (as the job's user, per task) the tracer's environment, and
+ *                the NCCL interposer in front of LD_PRELOAD (nccl_preload=).
+ * task_exit:     (root, per task) the task's exit status, appended to a
+ *                root-owned file in run_dir that the epilog hands to the report.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <time.h>
 #include <inttypes.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -176,6 +181,8 @@ static void safe_component(char *s)
 			*s = '_';
 }
 
+static int preload_interposer(spank_t sp);
+
 int mt_remote_task_init(spank_t sp, int ac, char **av)
 {
 	struct mt_job_opts *opts = &mt_state.opts;
@@ -218,5 +225,88 @@ int mt_remote_task_init(spank_t sp, int ac, char **av)
 		mt_error("cannot set the tracer's environment");
 		return mt_soft_fail();
 	}
+	return preload_interposer(sp);
+}
+
+/* nccl_preload=PATH: PATH first in the task's LD_PRELOAD, so that a framework's
+ * own NCCL calls are traced too (the interposer passes every call through). */
+static int preload_interposer(spank_t sp)
+{
+	const char *lib = mt_state.conf.nccl_preload;
+	char old[MT_OPTS_MAX] = "", value[MT_OPTS_MAX + MT_PATH_MAX];
+
+	if (!lib[0])
+		return 0;
+	if (access(lib, R_OK) < 0) {
+		mt_error("nccl_preload %s is not readable: NCCL calls are not traced", lib);
+		return mt_soft_fail();
+	}
+	if (getenv_job(sp, "LD_PRELOAD", old, sizeof(old)) == 0 && old[0]) {
+		if (strstr(old, lib))
+			return 0;
+		if (mt_snprintf(value, sizeof(value), "%s:%s", lib, old) < 0) {
+			mt_error("LD_PRELOAD too long to add %s", lib);
+			return mt_soft_fail();
+		}
+	} else {
+		mt_snprintf(value, sizeof(value), "%s", lib);
+	}
+	if (spank_setenv(sp, "LD_PRELOAD", value, 1) != ESPANK_SUCCESS) {
+		mt_error("cannot set LD_PRELOAD");
+		return mt_soft_fail();
+	}
+	return 0;
+}
+
+/* run_dir must be root's and writable by nobody else: the file written there is trusted by the epilog. */
+static bool safe_run_dir(const char *dir)
+{
+	struct stat st;
+
+	if (lstat(dir, &st) < 0 && errno == ENOENT && mkdir(dir, 0755) < 0)
+		return false;
+	return lstat(dir, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == 0 && !(st.st_mode & 022);
+}
+
+int mt_remote_task_exit(spank_t sp, int ac, char **av)
+{
+	uint32_t job_id = 0, step_id = 0, rank = 0;
+	pid_t pid = 0;
+	int status = 0, fd, n;
+	char node[256] = "", step[32], path[MT_PATH_MAX], line[256];
+	struct timespec now;
+
+	(void)ac;
+	(void)av;
+	if (!mt_state.opts.traced || geteuid() != 0)
+		return 0;
+	if (spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_STEPID, &step_id) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_TASK_GLOBAL_ID, &rank) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_TASK_EXIT_STATUS, &status) != ESPANK_SUCCESS)
+		return 0;
+	spank_get_item(sp, S_TASK_PID, &pid);
+	clock_gettime(CLOCK_REALTIME, &now);
+	if (getenv_job(sp, "SLURMD_NODENAME", node, sizeof(node)) < 0 || !node[0])
+		gethostname(node, sizeof(node) - 1);
+	safe_component(node);
+	step_name(step_id, step, sizeof(step));
+	if (!safe_run_dir(mt_state.conf.run_dir) ||
+	    mt_snprintf(path, sizeof(path), "%s/exits-%" PRIu32 ".%s", mt_state.conf.run_dir, job_id, node) < 0) {
+		mt_debug("run_dir %s unusable: task exit not recorded", mt_state.conf.run_dir);
+		return 0;
+	}
+	if (mt_snprintf(line, sizeof(line), "step=%s rank=%" PRIu32 " pid=%ld status=%d wall_ns=%lld\n", step, rank,
+			(long)pid, status, (long long)now.tv_sec * 1000000000LL + now.tv_nsec) < 0)
+		return 0;
+	n = (int)strlen(line);
+	fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0640);
+	if (fd < 0) {
+		mt_debug("open %s: %m", path);
+		return 0;
+	}
+	if (write(fd, line, (size_t)n) != n) /* one small O_APPEND write: lines never interleave */
+		mt_debug("write %s: %m", path);
+	close(fd);
 	return 0;
 }

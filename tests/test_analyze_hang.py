@@ -166,6 +166,22 @@ def test_a_short_stop_at_the_end_is_only_a_possible_hang(tmp_path: Path) -> None
     assert f.verdict.startswith("possible hang")
 
 
+def test_a_snapshot_of_a_running_job_reports_no_hang_for_a_short_stop_but_does_for_a_long_one(tmp_path: Path) -> None:
+    """Collected while the job ran (procs.json outcome "running", e.g. before the time limit): the nodes'
+    rings were read a moment apart, so a short stop at the end is in flight, not even a possible hang."""
+    b, g = pipeline4()
+    b.collective(g["tp23"], at=52.0, skip=(3,), stuck=(2,))
+    b.write(tmp_path / "short", outcome="running")
+    result = analyze(tmp_path / "short")
+    assert Kind.HEALTHY.value in kinds(result) and Kind.COMPUTE_HANG.value not in kinds(result), kinds(result)
+    b, g = pipeline4()
+    b.collective(g["tp23"], at=52.0, skip=(3,), stuck=(2,))
+    b.collective(g["tp01"], at=40_052.0)  # ranks 0 and 1 go on for 40 s more: rank 3 has stopped for good
+    b.write(tmp_path / "long", outcome="running")
+    f = top(analyze(tmp_path / "long"))
+    assert f.kind == Kind.COMPUTE_HANG and f.subject.rank == 3 and f.severity == Severity.CRITICAL
+
+
 def test_failed_waits_confirm_even_a_short_stop(tmp_path: Path) -> None:
     b, g = pipeline4()
     b.collective(g["tp23"], at=52.0, skip=(3,), failed=(2,))

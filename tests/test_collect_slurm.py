@@ -46,3 +46,31 @@ def test_without_mpi4py_the_collector_says_to_use_local(monkeypatch, tmp_path) -
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     with pytest.raises(CollectError, match="--local"):
         collect_mpi(CollectOptions(job_dir=str(tmp_path)))
+
+
+def test_the_job_end_time_comes_from_scontrol_fields_and_unlimited_jobs_have_none() -> None:
+    import time
+
+    from megatrace.collect.slurm import end_time
+
+    fields = {"TimeLimit": "00:02:00", "EndTime": "2026-12-02T15:55:43"}
+    assert end_time(fields) == time.mktime((2026, 12, 2, 15, 55, 43, 0, 0, -1))
+    assert end_time({"TimeLimit": "UNLIMITED", "EndTime": "2027-12-02T15:55:43"}) is None
+    assert end_time({"TimeLimit": "00:02:00", "EndTime": "Unknown"}) is None
+    assert end_time({}) is None
+
+
+def test_the_reason_goes_into_the_jobs_output_file_but_never_through_a_link(tmp_path) -> None:
+    from megatrace.collect.slurm import _clip, say_in_job_output
+
+    out = tmp_path / "out.txt"
+    out.write_text("training...\n")
+    assert say_in_job_output({"StdOut": str(out)}, "megatrace: hang confirmed")
+    assert out.read_text() == "training...\nmegatrace: hang confirmed\n"
+    link = tmp_path / "link.txt"
+    link.symlink_to(out)
+    assert not say_in_job_output({"StdOut": str(link)}, "again")
+    assert not say_in_job_output({"StdOut": "/dev/null"}, "x") and not say_in_job_output({}, "x")
+    assert out.read_text().count("megatrace") == 1
+    assert _clip("megatrace: hang confirmed; rank 5 stopped", 30) == "megatrace: hang confirmed…"  # a whole word
+    assert _clip("short", 30) == "short"

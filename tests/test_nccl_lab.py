@@ -30,11 +30,12 @@ def nccl(lab: dict, tmp_path_factory: pytest.TempPathFactory) -> Build:
         lab_unavailable(str(exc))
 
 
-def test_srun_megatrace_enables_the_interposer_and_the_step_s_rings_are_collected(nccl: Build,
-                                                                                   tmp_path: Path) -> None:
-    """The SPANK plugin's switch (MEGATRACE_ENABLE, MEGATRACE_DIR per node) drives the interposer."""
+def test_srun_megatrace_alone_loads_the_interposer_and_the_step_s_rings_are_collected(nccl: Build,
+                                                                                       tmp_path: Path) -> None:
+    """Nothing from the user but --megatrace: the plugin puts the lab's interposer (plugstack nccl_preload=)
+    in front of LD_PRELOAD and sets MEGATRACE_ENABLE and MEGATRACE_DIR per node."""
     out = tmp_path / "out"
-    job = run_job(nccl, tmp_path / "job", [*GRID, "--steps", "3"], trace=True, deadline_s=120,
+    job = run_job(nccl, tmp_path / "job", [*GRID, "--steps", "3"], trace=False, deadline_s=120,
                   srun=[*NODES, f"--megatrace=check=off,dir={out}"], env={"MEGATRACE_ENABLE": "0"})
     assert job.returncode == 0 and job.exits == {r: 0 for r in range(8)}, job.stderr
     deadline = time.monotonic() + 60  # the plugin gathers each node's rings when the step ends, asynchronously

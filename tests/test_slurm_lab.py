@@ -348,18 +348,114 @@ def test_an_unwritable_job_dir_falls_back_and_says_so(lab, test_user, user_dir):
 
 # -- the demo job under sbatch --megatrace ----------------------------------------------------
 
+def _last_activity_wall_s(ring: Path) -> float:
+    """When the ring's rank last started or finished an operation, in Unix seconds."""
+    from megatrace.trace.ring_reader import read_ring
+
+    snap = read_ring(ring)
+    h, recs = snap.header, snap.records
+    last = max(int(recs["t_enqueue"].max()), int(recs["t_complete"].max()))
+    return (h.anchor_wall_ns + (last - h.anchor_mono_ns)) / 1e9
+
+
+def _top_finding(step_dir: Path) -> dict:
+    return json.loads((step_dir / "findings.json").read_text())["findings"][0]
+
+
+def _sacct_state(job: str) -> str:
+    """The job's state as `sacct --completion` (the lab's jobcomp/filetxt) records it."""
+    until = time.monotonic() + 30
+    while time.monotonic() < until:
+        rows = _run(["sacct", "-c", "-n", "-P", "-j", job, "-o", "JobID,State"]).stdout.split()
+        states = [r.split("|")[1] for r in rows if r.split("|")[0] == job]
+        if states:
+            return states[-1]
+        time.sleep(1)
+    return ""
+
+
 @pytest.mark.slow
-def test_the_demo_job_under_sbatch_names_the_hung_rank(lab, tmp_path):
+def test_the_agents_catch_the_demo_hang_report_it_within_90_s_and_cancel_the_job(lab, tmp_path):
+    """hang-timeout=30, on-hang=cancel, gloo's own timeout 15 minutes: only the agents can end this job."""
     from megatrace.lab.demo import LabDemo, run
 
-    demo = LabDemo(nodes=4, ranks=8, steps=6, fault="hang:rank=5,step=3", comm_timeout_s=20, timeout_s=300)
+    demo = LabDemo(nodes=4, ranks=8, steps=200, fault="hang:rank=5,step=3", hang_timeout_s=30, on_hang="cancel",
+                   comm_timeout_s=900, time_limit_min=10, timeout_s=300)
     report = run(demo, tmp_path, log=lambda m: None)
-    assert report.name in ("report.html", "findings.json") and report.exists()
-    findings = json.loads((report.parent / "findings.json").read_text())["findings"]
-    top = findings[0]
+    step = report.parent
+    assert report.name == "report.html" and step.name == "step-0"
+    job = step.parent.name.removeprefix("megatrace-")
+    collection = json.loads((step / "collection.json").read_text())
+    assert collection["trigger"]["reason"] == "hang"
+    top = _top_finding(step)
     assert top["severity"] == "critical" and top["subject"]["rank"] == 5, top
     assert top["subject"]["host"] == "n3"  # ranks 4 and 5 run on the third virtual node
-    assert len(list((report.parent / "rings").glob("rank-*.ring"))) == 8
+    assert len(list((step / "rings").glob("rank-*.ring"))) == 8
+    onset = _last_activity_wall_s(step / "rings" / "rank-00005.ring")
+    assert report.stat().st_mtime - onset <= 90, report.stat().st_mtime - onset
+    # on-hang=cancel: cancelled, and why, in the job's output, its comment and sacct's state.
+    info = job_info(job)
+    assert info["JobState"] == "CANCELLED"
+    text = (tmp_path / f"megatrace-demo-{job}.out").read_text()
+    assert "megatrace: hang confirmed" in text and "rank 5 (host n3" in text and "on-hang=cancel" in text
+    assert str(report) in text
+    comment = _run(["scontrol", "show", "job", job]).stdout
+    assert "Comment=megatrace: hang confirmed" in comment
+    assert _sacct_state(job) == "CANCELLED"
+    assert not agents_of(job)
+
+
+def _demo_job(tmp_path: Path, fault: str, option: str, steps: int, *args: str, kill_on_bad_exit: bool = True) -> str:
+    """Submit the demo (4 nodes, 8 ranks) with ``fault`` ('' for none); returns the job id."""
+    fault_arg = f"--fault {fault}" if fault else ""
+    script = f"""export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) OMP_NUM_THREADS=1
+srun -N4 -n8 --overcommit --kill-on-bad-exit={int(kill_on_bad_exit)} {PYTHON} -m megatrace.demo --tp 2 --pp 2 \
+    --dp 2 --steps {steps} {fault_arg} --comm-timeout 900 -o "$MEGATRACE_OUT_DIR/step-0"
+"""
+    return submit(script, tmp_path, option, "-N4", "-n8", "--overcommit", *args)
+
+
+@pytest.mark.slow
+def test_a_healthy_traced_job_gets_a_healthy_report_with_its_step_times(lab, tmp_path):
+    job = _demo_job(tmp_path, "", "--megatrace=hang-timeout=60", 8)
+    info = wait_job(job, timeout=240)
+    assert info["JobState"] == "COMPLETED", output(tmp_path, job)
+    step = tmp_path / f"megatrace-{job}" / "step-0"
+    rings = sorted((step / "rings").glob("rank-*.ring"))
+    assert len(rings) == 8
+    from megatrace.trace.ring_reader import read_ring
+
+    assert sorted({read_ring(p).header.host for p in rings}) == ["n1", "n2", "n3", "n4"]
+    assert not (step / "collection.json").exists()  # no collection ran: the epilog's job-end analysed
+    doc = json.loads((step / "findings.json").read_text())
+    assert doc["findings"][0]["kind"] == "healthy", doc["verdict"]
+    html = (step / "report.html").read_text()
+    assert "Step time" in html and "Per iteration: measured step time" in html
+
+
+@pytest.mark.slow
+def test_a_crashed_rank_is_named_by_the_report_at_job_end(lab, tmp_path):
+    job = _demo_job(tmp_path, "crash:rank=2,step=3", "--megatrace=hang-timeout=60", 20)
+    info = wait_job(job, timeout=240)
+    assert info["JobState"] == "FAILED", output(tmp_path, job)
+    top = _top_finding(tmp_path / f"megatrace-{job}" / "step-0")
+    assert top["subject"]["rank"] == 2 and top["subject"]["host"] == "n2", top
+    assert top["kind"] == "crashed-process", top
+
+
+@pytest.mark.slow
+def test_a_job_reaching_its_time_limit_is_reported_before_the_kill(lab, tmp_path):
+    """The agents collect 90 s before the 2-minute limit; Slurm kills the job at the limit."""
+    job = _demo_job(tmp_path, "slow:rank=3,factor=2", "--megatrace=hang-timeout=60", 100000, "--time=2")
+    info = wait_job(job, timeout=300)
+    assert info["JobState"] == "TIMEOUT", output(tmp_path, job)
+    step = tmp_path / f"megatrace-{job}" / "step-0"
+    collection = json.loads((step / "collection.json").read_text())
+    assert collection["trigger"]["reason"] == "timelimit"
+    end = time.mktime(time.strptime(info["EndTime"], "%Y-%m-%dT%H:%M:%S"))
+    assert (step / "report.html").stat().st_mtime < end
+    top = _top_finding(step)
+    assert top["subject"]["rank"] == 3, top
 
 
 # -- the lab itself ----------------------------------------------------------------------------

@@ -31,7 +31,8 @@ def test_the_plugin_exports_only_the_spank_symbols(tmp_path):
                              text=True).stdout.split()
     exported = sorted(s for s in symbols if s.startswith(("slurm_", "plugin_", "mt_")) or s in ("main",))
     assert exported == ["plugin_name", "plugin_type", "plugin_version", "slurm_spank_exit", "slurm_spank_init",
-                        "slurm_spank_init_post_opt", "slurm_spank_task_init", "slurm_spank_user_init"]
+                        "slurm_spank_init_post_opt", "slurm_spank_task_exit", "slurm_spank_task_init",
+                        "slurm_spank_user_init"]
     flags = subprocess.run(["readelf", "-d", str(src / "megatrace.so")], capture_output=True, text=True).stdout
     assert "BIND_NOW" in flags or "NOW" in flags  # -z now (full RELRO)
 

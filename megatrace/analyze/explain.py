@@ -10,7 +10,7 @@ import numpy as np
 
 from megatrace.analyze.clock import ClockAlignment
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject
-from megatrace.analyze.hang import STALLED_OUTCOMES, HangAnalysis, RankStatus, RootCause, Wait
+from megatrace.analyze.hang import RUNNING_OUTCOMES, STALLED_OUTCOMES, HangAnalysis, RankStatus, RootCause, Wait
 from megatrace.analyze.match import MatchResult
 from megatrace.analyze.traceset import TraceSet, plural
 from megatrace.analyze.words import collective_label, duration, rank_label, rank_list, rank_subject, record_label
@@ -340,6 +340,13 @@ def healthy_finding(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> Find
                        verdict=f"no hang: all {plural(len(trace.ranks), 'traced rank')} completed every operation "
                                f"({s['collective_instances']} collectives, {s['p2p_pairs']} point-to-point pairs)",
                        evidence=evidence, confidence=0.9 * trace.coverage)
+    if trace.facts.outcome in RUNNING_OUTCOMES:
+        return Finding(id="healthy", severity=Severity.INFO, kind=Kind.HEALTHY, subject=Subject(),
+                       verdict=f"no hang: the job was still running when it was collected, and no rank had stopped "
+                               f"for long ({s['collective_instances']} collectives, {s['p2p_pairs']} point-to-point "
+                               f"pairs)",
+                       evidence=[trace.facts.message] if trace.facts.message else [],
+                       confidence=0.8 * trace.coverage)
     stalled = trace.facts.outcome in STALLED_OUTCOMES
     running = sorted(r for r, st in hang.status.items() if st == RankStatus.STOPPED)
     evidence = [f"ranks whose tracer did not close (still running, or killed): {rank_list(running)}"] if running else []

@@ -36,6 +36,10 @@ STALL_FACTOR = 4.0  # a stop is a hang once it lasts this many times the usual g
 QUIET_FACTOR = 2.0  # ... or twice that gap when the whole job is quiet (every rank blocked or stopped) ...
 MIN_STALL_NS = 5_000_000  # ... and in both cases at least 5 ms: below that it is scheduling noise
 STALLED_OUTCOMES = ("stalled",)  # launcher / agent verdicts (procs.json "outcome") that confirm a stop
+# A snapshot of a job that was still running (collected before its time limit, say): nodes are read a
+# moment apart, so a rank read first seems to stop while the others go on. Only a long stop is a hang then.
+RUNNING_OUTCOMES = ("running",)
+RUNNING_MIN_STALL_NS = 30_000_000_000
 GAP_WINDOW = 1000  # recent records of a rank used for its usual gap between calls
 TAIL = 64  # last records per rank read for what it waits in (and its last activity): a rank waits in one place
 MAX_PHANTOM_INSTANCES = 5000  # instances checked for completions that cannot be real
@@ -272,6 +276,9 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
                          if s == RankStatus.STOPPED and r not in culprits and roots
                          and last_activity.get(r, NONE) > onset + (end - onset) // 2)
     _confirm(trace, roots, waits, quiet=not progressing)
+    if trace.facts.outcome in RUNNING_OUTCOMES:  # what was in flight at the snapshot is no hang
+        roots = [root for root in roots if root.confirmed]
+        progressing = progressing if roots else []
     return HangAnalysis(end, False, status, last_activity, last_row, waits, graph, roots, details, progressing,
                         t_enqueue=te)
 
@@ -281,7 +288,8 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
 
     Corroboration: a waiter's call failed (a timeout), the culprit crashed or exited, or the launcher /
     agent reported the job stalled. Otherwise the stop must be long against the usual gap between calls:
-    ``STALL_FACTOR`` times it, or ``QUIET_FACTOR`` times it when no rank was still progressing.
+    ``STALL_FACTOR`` times it, or ``QUIET_FACTOR`` times it when no rank was still progressing; and at
+    least ``RUNNING_MIN_STALL_NS`` in a snapshot of a job that was still running.
     """
     stalled = trace.facts.outcome in STALLED_OUTCOMES
     for root in roots:
@@ -295,7 +303,8 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
             root.confirmed = True
         elif root.silence_ns is not None:
             factor = QUIET_FACTOR if quiet else STALL_FACTOR
-            root.confirmed = root.silence_ns >= max(MIN_STALL_NS, factor * (root.usual_gap_ns or 0))
+            floor = RUNNING_MIN_STALL_NS if trace.facts.outcome in RUNNING_OUTCOMES else MIN_STALL_NS
+            root.confirmed = root.silence_ns >= max(floor, factor * (root.usual_gap_ns or 0))
 
 
 def _roots(trace: TraceSet, m: MatchResult, graph: nx.DiGraph, waits: dict[int, list[Wait]],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatrace.analyze.engine import AnalysisResult
 from megatrace.analyze.findings import Severity
 from megatrace.analyze.traceset import plural
@@ -10,8 +12,9 @@ MAX_OTHER = 10  # other findings listed by the terminal summary (all are in find
 MAX_EVIDENCE = 4  # evidence lines shown under the verdict
 
 
-def render_summary(result: AnalysisResult) -> str:
-    """Plain text for a terminal; the first line is the verdict."""
+def render_summary(result: AnalysisResult, shown_path: Path | None = None) -> str:
+    """Plain text for a terminal; the first line is the verdict. ``shown_path``: the trace directory's
+    name for people, when the analysis read it through another path (a descriptor under /proc)."""
     lines: list[str] = []
     top = result.verdict
     if top is None:
@@ -24,9 +27,10 @@ def render_summary(result: AnalysisResult) -> str:
         if top.remediation:
             lines.append(f"  what to do: {top.remediation}")
     t = result.trace
+    where = shown_path or t.path
     m = result.match.summary()
     lines.append("")
-    lines.append(f"trace {t.path}: job {t.job_id}, {len(t.ranks)} of {t.world_size} ranks on "
+    lines.append(f"trace {where}: job {t.job_id}, {len(t.ranks)} of {t.world_size} ranks on "
                  f"{plural(len(t.hosts), 'host')}, {len(t.records):,} records; "
                  f"{m['collective_instances']:,} collectives ({m['incomplete_instances']} incomplete), "
                  f"{m['p2p_pairs']:,} point-to-point pairs; "
@@ -35,7 +39,7 @@ def render_summary(result: AnalysisResult) -> str:
     if job is not None:
         from megatrace.jobconfig import describe
 
-        lines.append(f"job: {describe(job)} (all fields and sources: {t.path / 'job.yaml'})")
+        lines.append(f"job: {describe(job)} (all fields and sources: {where / 'job.yaml'})")
     others = result.findings[1:]
     shown = [f for f in others if f.severity != Severity.INFO][:MAX_OTHER] or others[:MAX_OTHER]
     if shown:

@@ -59,6 +59,8 @@ STALE_FACTOR = 4  # an agent silent for this many poll intervals (at least STALE
 STALE_MIN_S = 20.0
 COLLECT_TIMEOUT_S = 600.0
 
+TIMELIMIT_LEAD_S = 90.0  # the collection (45 s gather + analysis) must end before Slurm kills the job
+END_TIME_REFRESH_S = 60.0  # the time limit can be changed while the job runs: re-read it this often
 EXIT_GRACE_S = 30.0  # a rank seen exited counts only after this long (capped by the hang timeout): at a
 #                     scancel every process dies at once, the agents a moment after their trainers
 PROGRESSING, FINISHED, EXITED, STALLED = "progressing", "finished", "exited", "stalled"
@@ -276,6 +278,8 @@ class AgentConfig:
     once: bool = False
     owner: tuple[int, int] | None = None
     nodes: list[str] | None = None  # the job's nodes (SLURM_JOB_NODELIST): each one's agent must be heard
+    out_dir: str | None = None  # the bundle directory of its collections [default: the collector's]
+    timelimit_lead_s: float | None = TIMELIMIT_LEAD_S  # under Slurm: collect this long before the time limit
 
 
 class Agent:
@@ -293,6 +297,8 @@ class Agent:
         self.requested: list[str] = []
         self.collections: list[dict[str, Any]] = []
         self.stop = False
+        self._end_time: float | None = None
+        self._end_time_read = -float("inf")
 
     def ring_dirs(self) -> list[str]:
         """``ring_dir`` if given; else $MEGATRACE_DIR (if it holds rings) and every ring directory of the job
@@ -333,6 +339,7 @@ class Agent:
         status = AgentStatus(cfg.node, state, wall, os.getpid(), self.suspect_since, onset,
                              [asdict(v) for v in verdicts])
         self.agents.write(f"{_safe(cfg.node)}.json", json.dumps(asdict(status)).encode(), replace=True)
+        self._watch_time_limit()
         for reason in self._pending_triggers():
             self._collect(reason, f"requested ({reason})")
         if state == SUSPECT:
@@ -341,6 +348,21 @@ class Agent:
             if confirmed:
                 self._on_hang(evidence)
         return state
+
+    def _watch_time_limit(self) -> None:
+        """Request a 'timelimit' collection once the job's end is less than the lead away (under Slurm)."""
+        cfg = self.cfg
+        if not cfg.timelimit_lead_s or not os.environ.get("SLURM_JOB_ID") or not cfg.job_id.isdigit():
+            return
+        if time.monotonic() - self._end_time_read > END_TIME_REFRESH_S:
+            from megatrace.collect.slurm import end_time, job_fields
+
+            self._end_time, self._end_time_read = end_time(job_fields(cfg.job_id)), time.monotonic()
+        if self._end_time is not None and time.time() >= self._end_time - cfg.timelimit_lead_s \
+                and "timelimit" not in self.requested:
+            left = self._end_time - time.time()
+            self.log(f"agent {cfg.node}: {max(0.0, left):.0f} s left before the job's time limit: collecting")
+            self.requested.append("timelimit")
 
     def _exit_grace(self, verdicts: list[RankVerdict], obs: list[RankObservation], now: int) -> list[RankVerdict]:
         """An exited rank counts as stalled only once it has been seen exited for the grace period."""
@@ -407,8 +429,26 @@ class Agent:
         result = self._run_collector(trigger, detail)
         from megatrace.collect.slurm import hang_action
 
-        result["on_hang"] = hang_action(self.cfg.on_hang, self.cfg.job_id)
+        verdict, culprit_node = self._verdict()
+        reason = f"{'job failure' if exited else 'hang'} confirmed ({detail})"
+        if verdict:
+            reason += f"; {verdict}"
+        if self.cfg.out_dir and (Path(self.cfg.out_dir) / "report.html").exists():
+            reason += f"; report: {Path(self.cfg.out_dir) / 'report.html'}"
+        result["on_hang"] = hang_action(self.cfg.on_hang, self.cfg.job_id, reason=reason, exclude_node=culprit_node)
         self.log(f"agent {self.cfg.node}: on-hang {self.cfg.on_hang}: {result['on_hang']}")
+
+    def _verdict(self) -> tuple[str | None, str | None]:
+        """The collection's verdict and the top finding's node, from findings.json in the bundle directory."""
+        if not self.cfg.out_dir:
+            return None, None
+        try:
+            doc = json.loads((Path(self.cfg.out_dir) / "findings.json").read_text())
+            top = (doc.get("findings") or [{}])[0]
+            node = (top.get("subject") or {}).get("host")
+            return doc.get("verdict") or top.get("verdict"), node if isinstance(node, str) else None
+        except (OSError, ValueError, AttributeError, IndexError):
+            return None, None
 
     def _collect(self, reason: str, detail: str) -> None:
         if self._lock(reason):
@@ -484,10 +524,12 @@ def default_collect_cmd(cfg: AgentConfig) -> list[str]:
         nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
         count = int(nodes) if nodes.isdigit() else len(cfg.nodes) if cfg.nodes else None
         ring = node_pattern(cfg.ring_dir, cfg.node) if cfg.ring_dir else None
-        return collect_command(cfg.job_id, cfg.job_dir, "{trigger}", count, ring_dir=ring, timeout_s=45.0)
+        return collect_command(cfg.job_id, cfg.job_dir, "{trigger}", count, ring_dir=ring, timeout_s=45.0,
+                               extra=["--out", cfg.out_dir] if cfg.out_dir else None)
     cmd = [sys.executable, "-m", "megatrace.cli", "collect", "--local", "--trigger", "{trigger}", "--job-id",
            cfg.job_id, "--job-dir", cfg.job_dir, "--node", cfg.node]
-    return cmd + (["--ring-dir", cfg.ring_dir] if cfg.ring_dir else [])
+    return cmd + (["--ring-dir", cfg.ring_dir] if cfg.ring_dir else []) + (["--out", cfg.out_dir] if cfg.out_dir
+                                                                           else [])
 
 
 def node_pattern(path: str, node: str) -> str:

@@ -239,6 +239,10 @@ class BundleWriter:
             procs["outcome"] = "stalled"
             procs["message"] = f"the MegaTrace agents confirmed a {trigger}{': ' + detail if detail else ''}"
         alive = [p for p in self.procs.values() if p.get("alive")]
+        if trigger not in ("hang", "failure") and alive:
+            procs["outcome"] = "running"
+            procs["message"] = (f"collected while the job ran ({trigger}{': ' + detail if detail else ''}); "
+                                "operations in flight at that moment are not hangs")
         if trigger == "failure" and alive:
             # In a job that still runs, a rank whose process vanished with its ring open has crashed.
             for p in self.procs.values():
@@ -277,7 +281,7 @@ class BundleWriter:
             trace.setdefault("problems", []).extend(self._collection_problems())
             text = json.dumps(doc, indent=2, ensure_ascii=False, default=_plain) + "\n"
             self.out.write("findings.json", text.encode(), replace=True)
-            summary = render_summary(result)
+            summary = render_summary(result, self.path)
             self.out.write("summary.txt", summary.encode() + b"\n", replace=True)
             out["findings"] = "findings.json"
             out["verdict"] = doc.get("verdict")

@@ -156,6 +156,8 @@ A hang is confirmed when every node whose ranks still run has stalled for --hang
 (no new record or completion, or a blocking collective outstanding): each agent publishes
 its state in <state-dir>/agents/<node>.json, and the first agent to see all of them
 suspect runs the collector once (lock file collect-hang.lock), then --on-hang.
+Under Slurm the agents also collect --timelimit-lead seconds before the job's time limit
+(read from scontrol), so that the report exists before Slurm kills the job.
 Signals: USR1 = collect now (trigger timelimit); TERM/INT = stop watching.
 """)
 @click.option("--ring-dir", help="This node's trace directory [default: $MEGATRACE_DIR when it holds rings, "
@@ -169,6 +171,12 @@ Signals: USR1 = collect now (trigger timelimit); TERM/INT = stop watching.
               help="The job directory (shared by all nodes): the bundle and the state directory go there.")
 @click.option("--state-dir", type=click.Path(file_okay=False),
               help="Where the agents meet [default: <job-dir>/.megatrace-<job>].")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Bundle directory of the collections it runs (the collector's --out) [default: the "
+                   "collector's, <job-dir>/megatrace-<job>].")
+@click.option("--timelimit-lead", type=click.FloatRange(0), default=90.0, show_default=True,
+              help="Under Slurm: collect this many seconds before the job's time limit, so that the report "
+                   "is written before the kill (0: off).")
 @click.option("--hang-timeout", type=click.FloatRange(0.5), default=300.0, show_default=True,
               envvar="MEGATRACE_HANG_TIMEOUT", show_envvar=True,
               help="Seconds without progress before a rank counts as stalled.")
@@ -189,7 +197,8 @@ Signals: USR1 = collect now (trigger timelimit); TERM/INT = stop watching.
               help="Stop once every ring of this node was closed by its writer [default: keep running under "
                    "Slurm, where a job may run several training steps and the agent ends with the job].")
 def agent(ring_dir: str | None, node: str | None, job_id: str | None, job_dir: str, state_dir: str | None,
-          hang_timeout: float, poll: float, on_hang: str, collect_cmd: str | None, request: str | None,
+          out: str | None, timelimit_lead: float, hang_timeout: float, poll: float, on_hang: str,
+          collect_cmd: str | None, request: str | None,
           nodes: str | None, once: bool, max_runtime: float | None, exit_when_done: bool | None) -> None:
     """Watch this node's rings for a hang, confirm it with the other nodes' agents, then collect.
 
@@ -220,7 +229,8 @@ def agent(ring_dir: str | None, node: str | None, job_id: str | None, job_dir: s
                       on_hang=on_hang, collect_cmd=shlex.split(collect_cmd) if collect_cmd else None,
                       exit_when_done=not os.environ.get("SLURM_JOB_ID") if exit_when_done is None else exit_when_done,
                       max_runtime_s=max_runtime, once=once, owner=owner,
-                      nodes=_expected(nodes))
+                      nodes=_expected(nodes), out_dir=os.path.abspath(out) if out else None,
+                      timelimit_lead_s=timelimit_lead or None)
     try:
         watcher = Agent(cfg, log=lambda msg: click.echo(msg, err=True))
     except OSError as exc:
@@ -232,3 +242,46 @@ def agent(ring_dir: str | None, node: str | None, job_id: str | None, job_dir: s
     click.echo(f"agent {cfg.node}: watching {cfg.ring_dir} (hang timeout {hang_timeout:g} s, poll {poll:g} s); "
                f"state in {state}", err=True)
     watcher.run()
+
+
+@click.command("job-end", context_settings=CONTEXT_SETTINGS, epilog="""\b
+Example (the epilog, as the job's user, after copying this node's rings):
+  megatrace job-end --job-dir "$HOME/run/megatrace-1234" --node n1 --nodes 'n[1-4]'
+\b
+Every node marks itself done in <state-dir>/epilog/<node>; the first node of --nodes waits
+(at most --wait) for the others, then runs megatrace analyze on each step-<s> directory of
+the job directory that has rings and no findings.json yet. Exit status 0 unless the options
+are wrong: an epilog must not fail because an analysis did.
+""")
+@click.option("--job-dir", type=click.Path(file_okay=False, exists=True), required=True,
+              help="The job directory (the SPANK plugin's dir=, holding step-<s>/rings/).")
+@click.option("--state-dir", type=click.Path(file_okay=False),
+              help="Where the nodes leave their marks [default: <job-dir>/.agents].")
+@click.option("--node", envvar="MEGATRACE_NODE_NAME", show_envvar=True,
+              help="This node's name [default: SLURMD_NODENAME, else the host name].")
+@click.option("--nodes", help="The job's nodes, Slurm host-list syntax; the first one analyses "
+              "[default: SLURM_JOB_NODELIST, else this node alone].")
+@click.option("--wait", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="Seconds the first node waits for the others' marks.")
+@click.option("--analyze-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
+              help="Seconds allowed for each step's analysis.")
+def job_end(job_dir: str, state_dir: str | None, node: str | None, nodes: str | None, wait: float,
+            analyze_timeout: float) -> None:
+    """At the end of a traced job: analyse every step that no collection covered (run by the epilog)."""
+    from megatrace.collect.job_end import finish_job
+    from megatrace.collect.node import node_name
+
+    this = node or node_name()
+    try:
+        done = finish_job(job_dir, state_dir or os.path.join(job_dir, ".agents"), this, _expected(nodes), wait,
+                          analyze_timeout, log=lambda msg: click.echo(msg, err=True))
+    except OSError as exc:
+        raise CollectUsageError(f"cannot mark {this} done in {state_dir or job_dir}: {exc.strerror or exc}") \
+            from None
+    if done.node != done.leader:
+        click.echo(f"job-end: {this} done; {done.leader} writes the reports", err=True)
+        return
+    for step, why in done.skipped.items():
+        click.echo(f"job-end: {step}: skipped ({why})", err=True)
+    if not done.analysed and not done.skipped:
+        click.echo(f"job-end: no step directory with rings in {job_dir}", err=True)

@@ -7,7 +7,8 @@ The functions here are what the prolog, the epilog and the lab call:
 * :func:`agent_command` builds the ``srun --overlap`` command that starts one agent per node;
 * :func:`expand_hostlist` expands ``SLURM_JOB_NODELIST`` (``n[1-4],gpu[01-03,07]``)
   without calling ``scontrol``;
-* :func:`hang_action` cancels or requeues the job after a confirmed hang (``--on-hang``).
+* :func:`hang_action` cancels or requeues the job after a confirmed hang (``--on-hang``), saying why;
+* :func:`job_fields` and :func:`end_time` read the job's record (the agent's time-limit watch).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 
 ON_HANG = ("report", "cancel", "requeue")
@@ -125,8 +128,61 @@ def run_collect(job_id: str, job_dir: str, trigger: str = "end", nodes: int | No
     return subprocess.run(cmd, capture_output=True, text=True, timeout=2 * timeout_s + 60)
 
 
-def hang_action(action: str, job_id: str | None, env: Mapping[str, str] | None = None) -> str:
-    """Carry out ``--on-hang`` after the report is written; returns what was done, in words."""
+def job_fields(job_id: str, scontrol: str = "scontrol") -> dict[str, str]:
+    """``scontrol show job -o JOB`` as a dict (empty when it cannot be read).
+
+    Only the words up to the first one-line free-text field are reliable (Comment, Command and the
+    like may hold blanks), which covers the ids, times and paths used here."""
+    try:
+        out = subprocess.run([scontrol, "show", "job", "-o", job_id], capture_output=True, text=True,
+                             timeout=SCONTROL_TIMEOUT_S).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def end_time(fields: Mapping[str, str]) -> float | None:
+    """The job's planned end (``EndTime``, local time) as a Unix time; None when unlimited or unknown."""
+    value = fields.get("EndTime", "")
+    if fields.get("TimeLimit") in (None, "UNLIMITED", "Partition_Limit") or not value or value == "Unknown":
+        return None
+    try:
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def say_in_job_output(fields: Mapping[str, str], text: str) -> bool:
+    """Append a line to the job's standard output file (run as the job's user); True when written.
+
+    Opened with O_APPEND and without following a link; a device or a missing file is left alone."""
+    path = fields.get("StdOut", "")
+    if not path.startswith("/"):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        os.write(fd, (text.rstrip("\n") + "\n").encode(errors="replace"))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def hang_action(action: str, job_id: str | None, env: Mapping[str, str] | None = None, reason: str = "",
+                exclude_node: str | None = None) -> str:
+    """Carry out ``--on-hang`` after the report is written; returns what was done, in words.
+
+    ``reason`` (one line) goes into the job's output file and its Comment (``scontrol show job``, and
+    ``sacct --format=Comment`` where accounting stores comments) before ``scancel``/``requeue``.
+    ``exclude_node``: for a requeue, the culprit's node, added to the job's excluded nodes first so
+    that the job does not land on it again.
+    """
     env = os.environ if env is None else env
     if action == "report":
         return "reported (the job keeps running)"
@@ -138,10 +194,42 @@ def hang_action(action: str, job_id: str | None, env: Mapping[str, str] | None =
     cmd = ["scancel", job_id] if action == "cancel" else ["scontrol", "requeue", job_id]
     if shutil.which(cmd[0]) is None:
         return f"{cmd[0]} not found: '{action}' skipped"
+    done = []
+    if reason:
+        line = " ".join(f"megatrace: {reason}; {'cancelling' if action == 'cancel' else 'requeueing'} "
+                        f"the job (on-hang={action})".split())[:480]
+        if say_in_job_output(job_fields(job_id), line):
+            done.append("said why in the job's output")
+        if _scontrol_update(job_id, f"Comment={_clip(line, 250)}") is None:
+            done.append("set the job's comment")
+    if action == "requeue" and exclude_node and re.fullmatch(r"[A-Za-z0-9._-]+", exclude_node):
+        excluded = [n for n in expand_hostlist(job_fields(job_id).get("ExcNodeList", "") or "")
+                    if n != "(null)"]
+        problem = _scontrol_update(job_id, "ExcNodeList=" + ",".join(dict.fromkeys([*excluded, exclude_node])))
+        done.append(f"excluded node {exclude_node}" if problem is None else f"could not exclude {exclude_node}: "
+                    f"{problem}")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"{' '.join(cmd)} did not return within {SCONTROL_TIMEOUT_S:.0f} s"
     if proc.returncode:
         return f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[:300]}"
-    return f"{' '.join(cmd)}: done"
+    return "; ".join([*done, f"{' '.join(cmd)}: done"])
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut at the last word boundary within ``limit`` characters, marked with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ;,") + "…"
+
+
+def _scontrol_update(job_id: str, setting: str) -> str | None:
+    """``scontrol update JobId=JOB SETTING``; None on success, else the error in words."""
+    try:
+        proc = subprocess.run(["scontrol", "update", f"JobId={job_id}", setting], capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return None if proc.returncode == 0 else (proc.stderr.strip() or f"exit {proc.returncode}")[:200]

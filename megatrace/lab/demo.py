@@ -1,14 +1,18 @@
-"""``megatrace lab demo``: the demo job under ``sbatch --megatrace`` on the lab, then its analysis.
+"""``megatrace lab demo``: the demo job under ``sbatch --megatrace`` on the lab, then its report.
 
 A batch script runs ``srun -N4 -n8 --overcommit python -m megatrace.demo`` (the
 demo worker takes rank and world from SLURM_PROCID / SLURM_NTASKS) with an
-injected hang; the hung rank's peers give up after the gloo timeout, srun ends
-the step, the epilog brings every node's rings into the job directory, and the
-analysis names the culprit.
+injected fault. With a hang, the node agents the prolog started see every node
+stall for ``hang-timeout`` (30 s), confirm it together, collect every node's
+rings with the mpi4py collector beside the hung step, write the report into
+``<job dir>/step-0/`` and cancel the job (``on-hang=cancel``), minutes before
+gloo's own timeout would have ended it. A job that ends by itself gets its report
+from the epilog (``megatrace job-end``).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -32,7 +36,10 @@ class LabDemo:
     pp: int = 2
     steps: int = 20
     fault: str = "hang:rank=5,step=3"
-    comm_timeout_s: int = 30  # the hung rank's peers give up after this (gloo timeout)
+    hang_timeout_s: int = 30  # the agents' --megatrace=hang-timeout
+    on_hang: str = "cancel"
+    comm_timeout_s: int = 900  # gloo's timeout: the agents must be the ones to catch the hang
+    time_limit_min: int = 15
     timeout_s: float = 600.0
 
 
@@ -76,13 +83,14 @@ def run(demo: LabDemo, workdir: Path, log: Log) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     script = workdir / "megatrace-demo.sbatch"
     script.write_text(batch_script(demo))
-    proc = subprocess.run(["sbatch", "--parsable", "--megatrace=hang-timeout=60,on-hang=report",
-                           f"-N{demo.nodes}", f"-n{demo.ranks}", "--overcommit", "-J", "megatrace-demo",
-                           "-o", "megatrace-demo-%j.out", str(script)], cwd=workdir, capture_output=True, text=True)
+    option = f"--megatrace=hang-timeout={demo.hang_timeout_s},on-hang={demo.on_hang}"
+    proc = subprocess.run(["sbatch", "--parsable", option, f"-N{demo.nodes}", f"-n{demo.ranks}", "--overcommit",
+                           f"--time={demo.time_limit_min}", "-J", "megatrace-demo", "-o", "megatrace-demo-%j.out",
+                           str(script)], cwd=workdir, capture_output=True, text=True)
     if proc.returncode != 0:
         raise LabError(f"sbatch failed: {proc.stderr.strip()}")
     job = proc.stdout.strip().split(";")[0]
-    log(f"lab demo: sbatch --megatrace -N{demo.nodes} -n{demo.ranks} --overcommit {script.name}: job {job} "
+    log(f"lab demo: sbatch {option} -N{demo.nodes} -n{demo.ranks} --overcommit {script.name}: job {job} "
         f"(fault {demo.fault})")
     state = wait_for_job(job, demo.timeout_s, log)
     trace_dir = workdir / f"megatrace-{job}" / "step-0"
@@ -91,6 +99,19 @@ def run(demo: LabDemo, workdir: Path, log: Log) -> Path:
         raise LabError(f"job {job} ended {state} without rings in {trace_dir / 'rings'}; "
                        f"see {workdir / f'megatrace-demo-{job}.out'}")
     log(f"lab demo: job {job} {state}; {len(rings)} rings in {trace_dir / 'rings'}")
+    collection = trace_dir / "collection.json"
+    if collection.exists():
+        trigger = json.loads(collection.read_text()).get("trigger", {}).get("reason")
+        log(f"lab demo: the node agents collected the job while it ran (trigger: {trigger}); what on-hang did "
+            f"is in {workdir / f'megatrace-demo-{job}.out'}")
+    if (trace_dir / "findings.json").exists() and (trace_dir / "report.html").exists():
+        summary = trace_dir / "summary.txt"
+        if summary.exists():
+            print(summary.read_text().rstrip())
+        else:
+            print(f"VERDICT {json.loads((trace_dir / 'findings.json').read_text()).get('verdict')}")
+        return trace_dir / "report.html"
+    log(f"lab demo: no report in {trace_dir} yet: analysing here")
     megatrace = shutil.which("megatrace", path=str(Path(sys.executable).parent)) or "megatrace"
     analysis = subprocess.run([megatrace, "analyze", str(trace_dir)])
     if analysis.returncode not in (0, 3):

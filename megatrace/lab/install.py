@@ -76,11 +76,37 @@ def install_plugin(paths: LabPaths, log: Log) -> None:
     src = repo_root() / "spank_plugin"
     if not (src / "Makefile").exists():
         raise LabError(f"no {src}/Makefile: the lab needs a source checkout of megatrace")
+    args = "hang_timeout=600 check=quick"
+    interposer = install_interposer(paths, log)
+    if interposer is not None:
+        args += f" nccl_preload={interposer}"
     make = ["make", "-s", "-C", str(src), f"LIBDIR={paths.libexec}", f"PLUGSTACK_DIR={paths.plugstack_dir}",
-            f"MEGATRACE_BIN={paths.megatrace_bin}", "PLUGSTACK_ARGS=hang_timeout=600 check=quick"]
+            f"MEGATRACE_BIN={paths.megatrace_bin}", f"PLUGSTACK_ARGS={args}"]
     _run(make + ["all"], "building the SPANK plugin")
     _run(make + ["install"], "installing the SPANK plugin")
     log(f"lab: plugin {paths.plugin}, {paths.plugstack_dir / 'megatrace.conf'}")
+
+
+def install_interposer(paths: LabPaths, log: Log) -> Path | None:
+    """A root-owned copy of the NCCL interposer, which the plugin puts in front of every traced task's
+    LD_PRELOAD (plugstack nccl_preload=); built from the package's sources when the wheel had no compiler."""
+    from megatrace.trace.nccl import InterposerMissing, build, library_path
+
+    dest = paths.libexec / "libmegatrace_nccl.so"
+    paths.libexec.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".new-{dest.name}")
+    try:
+        try:
+            shutil.copyfile(library_path(), tmp)
+        except InterposerMissing:
+            build(tmp)
+    except OSError as exc:
+        log(f"lab: no NCCL interposer ({exc}); traced jobs get the Python tracer only")
+        return None
+    os.chown(tmp, 0, 0)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, dest)
+    return dest
 
 
 def install_scripts(paths: LabPaths, log: Log) -> None:

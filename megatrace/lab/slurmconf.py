@@ -63,7 +63,9 @@ MpiDefault=none
 SwitchType=switch/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
+# Finished jobs go to a text file that `sacct --completion` reads (no slurmdbd in the lab).
+JobCompType=jobcomp/filetxt
+JobCompLoc={paths.log_dir}/jobcomp.txt
 ReturnToService=2
 SlurmdTimeout=60
 SlurmctldTimeout=60
