@@ -114,7 +114,7 @@ static int mkdir_p(const char *path, mode_t mode)
 int mt_remote_user_init(spank_t sp, int ac, char **av)
 {
 	struct mt_job_opts *opts = &mt_state.opts;
-	char submit[MT_PATH_MAX] = "";
+	char submit[MT_PATH_MAX] = "", restarts[16] = "";
 	uint32_t job_id = 0;
 
 	(void)ac;
@@ -138,6 +138,14 @@ int mt_remote_user_init(spank_t sp, int ac, char **av)
 	} else if (mt_snprintf(mt_state.job_dir, sizeof(mt_state.job_dir), "%s/megatrace-%" PRIu32,
 			       submit[0] ? submit : ".", job_id) < 0) {
 		goto toolong;
+	}
+	/* A requeued job (same id) gets a directory of its own per attempt: <dir>.r<restarts>. */
+	if (getenv_job(sp, "SLURM_RESTART_COUNT", restarts, sizeof(restarts)) == 0 && restarts[0] &&
+	    strspn(restarts, "0123456789") == strlen(restarts) && strcmp(restarts, "0")) {
+		size_t used = strlen(mt_state.job_dir);
+
+		if (mt_snprintf(mt_state.job_dir + used, sizeof(mt_state.job_dir) - used, ".r%s", restarts) < 0)
+			goto toolong;
 	}
 	/* We run as the job's user here: the directory and everything in it is theirs. */
 	if (mkdir_p(mt_state.job_dir, 0755) < 0) {

@@ -286,6 +286,64 @@ def test_the_health_check_drains_a_failing_node_alerts_once_and_resumes_it(lab, 
         _run(["scontrol", "update", "NodeName=n4", "State=RESUME"])
 
 
+def _wait_for(what, timeout: float, step: float = 0.5):
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        value = what()
+        if value:
+            return value
+        time.sleep(step)
+    return what()
+
+
+@pytest.mark.slow
+def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resumes(lab, tmp_path):
+    """The lab's slurm.conf names slurm/healthcheck as HealthCheckProgram; here with a 10 s interval."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    import threading
+
+    got: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    alerts = Path("/etc/megatrace/alerts.yaml")
+    alerts.write_text(f"webhook: {{url: 'http://127.0.0.1:{server.server_address[1]}/hook'}}\n")
+    fail = FAIL_FILE.with_name("fail-preflight-n3")
+    interval = 10
+    try:
+        proc = _run([MEGATRACE, "lab", "up", "--nodes", "4", "--skip-install", "--health-interval", str(interval)],
+                    timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert f"HealthCheckInterval={interval}" in Path("/etc/slurm/slurm.conf").read_text()
+        fail.write_text("drill: slurmd health check\n")
+        os.chmod(fail, 0o644)
+        injected = time.monotonic()
+        assert _wait_for(lambda: "drain" in node_state("n3")[0], timeout=3 * interval), node_state("n3")
+        assert time.monotonic() - injected <= interval + 10  # one interval, plus the check's own run time
+        assert node_state("n3")[1].startswith("megatrace:") and "slurmd health check" in node_state("n3")[1]
+        time.sleep(2 * interval)  # two more failing checks: still one alert
+        assert len(got) == 1 and got[0]["key"] == "n3:node.injected", got
+        fail.unlink()
+        assert _wait_for(lambda: "drain" not in node_state("n3")[0], timeout=4 * interval), node_state("n3")
+        nodes = _run([MEGATRACE, "nodes"])
+        assert "n3" in nodes.stdout and "slurmd health check" in nodes.stdout, nodes.stdout
+    finally:
+        fail.unlink(missing_ok=True)
+        alerts.unlink(missing_ok=True)
+        server.shutdown()
+        _run([MEGATRACE, "lab", "up", "--nodes", "4", "--skip-install"], timeout=120)  # the default interval
+        _run(["scontrol", "update", "NodeName=n3", "State=RESUME"])
+
+
 # -- an ordinary user --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -413,6 +471,44 @@ srun -N4 -n8 --overcommit --kill-on-bad-exit={int(kill_on_bad_exit)} {PYTHON} -m
     --dp 2 --steps {steps} {fault_arg} --comm-timeout 900 -o "$MEGATRACE_OUT_DIR/step-0"
 """
     return submit(script, tmp_path, option, "-N4", "-n8", "--overcommit", *args)
+
+
+@pytest.mark.slow
+def test_a_hung_job_with_on_hang_requeue_restarts_without_the_culprit_node_and_completes(lab, tmp_path):
+    """n3 plays a bad GPU: whichever rank runs there hangs. Node weights steer the first attempt onto n3 and n4;
+    the agents confirm the hang, the report names n3, and the requeued attempt runs without it."""
+    script = f"""export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000 + ${{SLURM_RESTART_COUNT:-0}}))
+idx=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | grep -nx n3 | cut -d: -f1)
+fault=""
+[ -n "$idx" ] && fault="--fault hang:rank=$(( (idx - 1) * 2 )),step=3"
+echo "attempt ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST: ${{fault:-no fault}}"
+srun -N2 -n4 --overcommit --kill-on-bad-exit=1 {PYTHON} -m megatrace.demo --tp 2 --pp 2 --dp 1 --steps 8 \\
+    $fault --comm-timeout 900 -o "$MEGATRACE_OUT_DIR/step-0"
+"""
+    _run(["scontrol", "update", "NodeName=n1,n2", "Weight=100"])
+    try:
+        job = submit(script, tmp_path, "--megatrace=hang-timeout=20,on-hang=requeue", "-N2", "-n4", "--overcommit")
+        # Slurm holds a requeued job back for two minutes; the test does not wait for that.
+        assert _wait_for(lambda: job_info(job).get("Restarts") == "1", timeout=180), job_info(job)
+        _wait_for(lambda: job_info(job).get("JobState") == "PENDING", timeout=30)
+        _run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        info = wait_job(job, timeout=240)
+    finally:
+        _run(["scontrol", "update", "NodeName=n1,n2", "Weight=1"])
+    assert info["JobState"] == "COMPLETED", info
+    assert "n3" in info.get("ExcNodeList", ""), info
+    assert "n3" not in _run(["scontrol", "show", "hostnames", info["NodeList"]]).stdout.split()
+    first = tmp_path / f"megatrace-{job}" / "step-0"
+    assert json.loads((first / "collection.json").read_text())["trigger"]["reason"] == "hang"
+    top = _top_finding(first)
+    assert top["severity"] == "critical" and top["subject"]["host"] == "n3", top
+    assert "Comment=megatrace: hang confirmed" in _run(["scontrol", "show", "job", job]).stdout
+    second = tmp_path / f"megatrace-{job}.r1" / "step-0"
+    findings = json.loads((second / "findings.json").read_text())["findings"]
+    assert "healthy" in [f["kind"] for f in findings] and not [f for f in findings if f["severity"] == "critical"]
+    from megatrace.trace.ring_reader import read_ring
+
+    assert "n3" not in {read_ring(p).header.host for p in (second / "rings").glob("rank-*.ring")}
 
 
 @pytest.mark.slow

@@ -339,14 +339,15 @@ def healthy_finding(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> Find
         return Finding(id="healthy", severity=Severity.INFO, kind=Kind.HEALTHY, subject=Subject(),
                        verdict=f"no hang: all {plural(len(trace.ranks), 'traced rank')} completed every operation "
                                f"({s['collective_instances']} collectives, {s['p2p_pairs']} point-to-point pairs)",
-                       evidence=evidence, confidence=0.9 * trace.coverage)
+                       evidence=evidence, confidence=0.9 * trace.coverage,
+                       impact=len(trace.ranks))  # the verdict of a clean run, ahead of facts like the clocks'
     if trace.facts.outcome in RUNNING_OUTCOMES:
         return Finding(id="healthy", severity=Severity.INFO, kind=Kind.HEALTHY, subject=Subject(),
                        verdict=f"no hang: the job was still running when it was collected, and no rank had stopped "
                                f"for long ({s['collective_instances']} collectives, {s['p2p_pairs']} point-to-point "
                                f"pairs)",
                        evidence=[trace.facts.message] if trace.facts.message else [],
-                       confidence=0.8 * trace.coverage)
+                       confidence=0.8 * trace.coverage, impact=len(trace.ranks))
     stalled = trace.facts.outcome in STALLED_OUTCOMES
     running = sorted(r for r, st in hang.status.items() if st == RankStatus.STOPPED)
     evidence = [f"ranks whose tracer did not close (still running, or killed): {rank_list(running)}"] if running else []

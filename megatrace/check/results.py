@@ -55,4 +55,8 @@ class ProbeResult:
 
 
 def worst(results: list[ProbeResult]) -> Status:
-    return max((r.status for r in results), key=lambda s: s.rank, default=Status.OK)
+    """The worst status; a check that had nothing to look at (SKIP) does not hide the others' OK."""
+    checked = [r.status for r in results if r.status != Status.SKIP]
+    if not checked:
+        return Status.SKIP if results else Status.OK
+    return max(checked, key=lambda s: s.rank)

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 ON_HANG = ("report", "cancel", "requeue")
 SCONTROL_TIMEOUT_S = 30.0
+EXCLUDE_WAIT_S = 60.0  # how long a requeued job may take to be pending again (its epilogs run first)
 
 
 def expand_hostlist(spec: str) -> list[str]:
@@ -202,19 +203,30 @@ def hang_action(action: str, job_id: str | None, env: Mapping[str, str] | None =
             done.append("said why in the job's output")
         if _scontrol_update(job_id, f"Comment={_clip(line, 250)}") is None:
             done.append("set the job's comment")
-    if action == "requeue" and exclude_node and re.fullmatch(r"[A-Za-z0-9._-]+", exclude_node):
-        excluded = [n for n in expand_hostlist(job_fields(job_id).get("ExcNodeList", "") or "")
-                    if n != "(null)"]
-        problem = _scontrol_update(job_id, "ExcNodeList=" + ",".join(dict.fromkeys([*excluded, exclude_node])))
-        done.append(f"excluded node {exclude_node}" if problem is None else f"could not exclude {exclude_node}: "
-                    f"{problem}")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return f"{' '.join(cmd)} did not return within {SCONTROL_TIMEOUT_S:.0f} s"
+        return "; ".join([*done, f"{' '.join(cmd)} did not return within {SCONTROL_TIMEOUT_S:.0f} s"])
     if proc.returncode:
-        return f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[:300]}"
-    return "; ".join([*done, f"{' '.join(cmd)}: done"])
+        return "; ".join([*done, f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[:300]}"])
+    done.append(f"{' '.join(cmd)}: done")
+    if action == "requeue" and exclude_node and re.fullmatch(r"[A-Za-z0-9._-]+", exclude_node):
+        done.append(_exclude(job_id, exclude_node))
+    return "; ".join(done)
+
+
+def _exclude(job_id: str, node: str, wait_s: float = EXCLUDE_WAIT_S) -> str:
+    """Add ``node`` to a requeued job's excluded nodes; Slurm accepts that only once the job is pending
+    again (after its epilogs), so try until then."""
+    until = time.monotonic() + wait_s
+    problem: str | None = "not tried"
+    while time.monotonic() < until:
+        excluded = [n for n in expand_hostlist(job_fields(job_id).get("ExcNodeList", "") or "") if n != "(null)"]
+        problem = _scontrol_update(job_id, "ExcNodeList=" + ",".join(dict.fromkeys([*excluded, node])))
+        if problem is None:
+            return f"excluded node {node} from the requeued job"
+        time.sleep(1.0)
+    return f"could not exclude node {node}: {problem}"
 
 
 def _clip(text: str, limit: int) -> str:

@@ -20,7 +20,7 @@ Examples:
 
 \b
 In slurm.conf (slurmd runs it as root on every node):
-  HealthCheckProgram=/usr/local/bin/megatrace-health    # a wrapper: exec megatrace health "$@"
+  HealthCheckProgram=/usr/local/lib/megatrace/healthcheck   # slurm/healthcheck (docs/fleet.md)
   HealthCheckInterval=300
   HealthCheckNodeState=ANY
 

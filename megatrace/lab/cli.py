@@ -41,14 +41,17 @@ def lab() -> None:
 @lab.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--nodes", type=click.IntRange(1, 64), default=4, show_default=True, help="Virtual nodes (n1..nN).")
 @click.option("--skip-install", is_flag=True, help="Do not install packages, plugin or scripts.")
+@click.option("--health-interval", type=click.IntRange(0), default=300, show_default=True,
+              help="Seconds between slurmd's runs of the MegaTrace HealthCheckProgram (0: never).")
 @LAB_DIR_OPTION
-def up(nodes: int, skip_install: bool, lab_dir: str) -> None:
+def up(nodes: int, skip_install: bool, health_interval: int, lab_dir: str) -> None:
     """Bring the lab up (idempotent: starts only what is not running)."""
     from megatrace.lab import LabError, control
     from megatrace.lab.slurmconf import LabSpec
 
     try:
-        st = control.up(LabSpec(nodes=nodes), _paths(lab_dir), log=lambda m: click.echo(m, err=True),
+        st = control.up(LabSpec(nodes=nodes, health_interval=health_interval), _paths(lab_dir),
+                        log=lambda m: click.echo(m, err=True),
                         skip_install=skip_install)
     except LabError as exc:
         raise _fail(exc) from None

@@ -110,16 +110,16 @@ def install_interposer(paths: LabPaths, log: Log) -> Path | None:
 
 
 def install_scripts(paths: LabPaths, log: Log) -> None:
-    """Root-owned copies of slurm/prolog and slurm/epilog (Slurm runs them as root, never from the checkout)."""
+    """Root-owned copies of slurm/prolog, epilog and healthcheck (Slurm runs them as root, never from the checkout)."""
     src = repo_root() / "slurm"
     paths.libexec.mkdir(parents=True, exist_ok=True)
-    for name, dest in (("prolog", paths.prolog), ("epilog", paths.epilog)):
+    for name, dest in (("prolog", paths.prolog), ("epilog", paths.epilog), ("healthcheck", paths.healthcheck)):
         tmp = dest.with_name(f".{name}.tmp")
         shutil.copyfile(src / name, tmp)
         os.chown(tmp, 0, 0)
         os.chmod(tmp, 0o755)
         os.replace(tmp, dest)
-    log(f"lab: prolog {paths.prolog}, epilog {paths.epilog}")
+    log(f"lab: prolog {paths.prolog}, epilog {paths.epilog}, HealthCheckProgram {paths.healthcheck}")
 
 
 def install_all(paths: LabPaths, log: Log) -> None:

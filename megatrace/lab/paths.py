@@ -68,6 +68,10 @@ class LabPaths:
         return self.libexec / "epilog"
 
     @property
+    def healthcheck(self) -> Path:
+        return self.libexec / "healthcheck"
+
+    @property
     def plugin(self) -> Path:
         return self.libexec / "megatrace.so"
 

@@ -25,6 +25,7 @@ FIRST_NODE_PORT = 17001
 class LabSpec:
     nodes: int = 4
     cpus: int = 2
+    health_interval: int = 300  # seconds between slurmd's runs of slurm/healthcheck (0: never)
 
     @property
     def node_names(self) -> list[str]:
@@ -81,6 +82,10 @@ PrologFlags=Alloc
 PrologEpilogTimeout=120
 SchedulerParameters=nohold_on_prolog_fail
 PlugStackConfig=/etc/slurm/plugstack.conf
+# The MegaTrace inspection loop: slurmd runs `megatrace health` on every node each interval.
+HealthCheckProgram={paths.healthcheck}
+HealthCheckInterval={spec.health_interval}
+HealthCheckNodeState=ANY
 NodeName={spec.node_expr} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports} CPUs={spec.cpus} State=UNKNOWN
 PartitionName={PARTITION} Nodes={spec.node_expr} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
@@ -95,6 +100,9 @@ MEGATRACE_BIN={paths.megatrace_bin}
 CHECK_CMD={check} --level {{level}} --node {{node}} --ring-dir {{ring_base}} --only node --only gpu --thresholds {paths.site_conf_dir / "thresholds.yaml"}
 LOCAL_DIR=/dev/shm/megatrace
 FALLBACK_DIR=/var/tmp/megatrace
+HEALTH_ARGS=--resume-after 2 --thresholds {paths.site_conf_dir / "thresholds.yaml"}
+HEALTH_ALERTS={paths.site_conf_dir / "alerts.yaml"}
+HEALTH_TIMEOUT=60
 """
 
 
