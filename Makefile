@@ -37,10 +37,15 @@ lab-down: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Every benchmark, each printing its tables with ratios against a baseline measured in the same
+# run (docs/performance.md). About 15 minutes on 2 cores; collection_lab needs root and the lab.
 bench: $(STAMP)
 	$(BIN)/python bench/tracer_overhead.py
+	$(BIN)/python bench/nccl_interposer.py
 	$(BIN)/python bench/analysis_scale.py
 	$(BIN)/python bench/simulate_speed.py
+	$(BIN)/python bench/accuracy.py
+	$(BIN)/python bench/collection_lab.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis megatrace-demo-*

@@ -7,7 +7,8 @@ For every scale it writes a synthetic hung trace (``bench/synth_trace.py``: TP x
 ``--records`` records per rank, one rank stopped in the last step), then runs ``analyze(DIR)`` and
 ``analyze(DIR, mode="hang")`` each in a fresh Python process (peak RSS is that process's), ``--repeat``
 times each, and prints one table: the best time of each mode, their ratio, the peak RSS, whether both
-name the same culprit, and the issue's targets (hang localisation within 1 s at 4,096 ranks and within
+name the same culprit, then the full analysis's report (render time, report.html and trace.json sizes),
+and the issue's targets (hang localisation within 1 s at 4,096 ranks and within
 10 s at 16,384 ranks, peak memory under 4 GiB) marked OK or MISSED. The machine's load is printed too:
 on a shared machine, times vary from run to run.
 
@@ -32,6 +33,7 @@ from synth_trace import generate  # noqa: E402
 
 TARGET_S = {4096: 1.0, 16384: 10.0}  # hang localisation (quick mode), seconds
 TARGET_RSS_MIB = 4096  # peak memory, both modes
+TARGET_REPORT_MB = 5.0  # report.html at 16,384 ranks
 
 CHILD = r"""
 import json, resource, sys, time
@@ -41,8 +43,17 @@ r = analyze(sys.argv[1], mode=sys.argv[2])
 wall, cpu = time.perf_counter() - t, time.process_time() - c
 top = r.findings[0]
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+report = {}
+if sys.argv[2] == "full":  # the report of the full analysis: render time and size (HTML + trace.json)
+    import os, tempfile
+    from megatrace.report.render import write_report
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        html, trace = write_report(r.document(), os.path.join(tmp, "report.html"))
+        report = {"report_s": time.perf_counter() - t, "report_bytes": os.path.getsize(html),
+                  "trace_bytes": os.path.getsize(trace) if trace else 0}
 print(json.dumps({"time": wall, "cpu": cpu, "timings": r.timings, "rss_mib": rss, "verdict": top.verdict, "kind": top.kind.value,
-                  "culprit": [top.subject.rank, list(top.subject.ranks)], "records": len(r.trace.records)}))
+                  "culprit": [top.subject.rank, list(top.subject.ranks)], "records": len(r.trace.records), **report}))
 """
 
 
@@ -139,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     for ranks, full, _ in rows:
         stages = ", ".join(f"{k} {v:.2f}" for k, v in full["timings"].items() if k != "total")
         print(f"{ranks:>6} full stages (s): {stages}")
+    print(f"\n{'ranks':>6} {'report s':>9} {'report.html MB':>15} {'trace.json MB':>14}  target")
+    for ranks, full, _ in rows:
+        mb = full.get("report_bytes", 0) / 1e6
+        ok = ranks != 16384 or mb <= TARGET_REPORT_MB
+        missed += not ok
+        print(f"{ranks:>6} {full.get('report_s', 0):>9.2f} {mb:>15.2f} {full.get('trace_bytes', 0) / 1e6:>14.2f}  "
+              + (f"<= {TARGET_REPORT_MB:g} MB at 16,384 ranks {mark(ok)}" if ranks == 16384 else ""))
     print(f"\nverdict ({rows[-1][0]} ranks, quick): {rows[-1][2]['verdict']}" if rows else "")
     return 1 if missed else 0
 

@@ -43,7 +43,7 @@ def node(nvml_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return run
 
 
-HEALTHY = "gpus=8\ndriver=550.54.15\ncuda=12040\n"
+HEALTHY = "gpus=8\ndriver=550.54.15\ncuda=12040\n" + "".join(f"gpu{i}.nvlinks=18\n" for i in range(8))
 
 
 def by_probe(results, gpu=None):
@@ -59,7 +59,8 @@ def test_a_healthy_node_passes_every_check(node) -> None:
     assert {r.subject.gpu for r in results} == {None, *range(8)}
     gpu5 = by_probe(results, 5)
     assert set(gpu5) >= {"gpu.temperature", "gpu.clocks", "gpu.ecc", "gpu.remap", "gpu.power", "gpu.pcie",
-                         "gpu.memory"}
+                         "gpu.memory", "gpu.nvlink"}
+    assert gpu5["gpu.nvlink"].message == "18 NVLinks up"
     assert gpu5["gpu.temperature"].subject.pci_bus == "00000000:1D:00.0"
     assert gpu5["gpu.temperature"].subject.uuid.startswith("GPU-")
 
@@ -78,6 +79,8 @@ def test_a_healthy_node_passes_every_check(node) -> None:
     ("gpu3.pcie_width=8", "gpu.pcie", Status.WARN, "x8 of x16"),
     ("gpu3.procs=4242:4294967296", "gpu.memory", Status.FAIL, "4096 MiB held by processes 4242"),
     ("gpu3.error.nvmlDeviceGetRemappedRows=3", "gpu.remap", Status.SKIP, "Not Supported"),
+    ("gpu3.nvlink_down=4", "gpu.nvlink", Status.FAIL, "NVLink 4 down while 17 others are up"),
+    ("gpu3.nvlink5.crc_flit=400", "gpu.nvlink", Status.WARN, "NVLink 5: 400 replay/recovery/CRC errors"),
 ])
 def test_each_fault_is_named_on_its_gpu(node, line: str, probe: str, status: Status, words: str) -> None:
     results = node(HEALTHY + line + "\n")
@@ -140,3 +143,23 @@ def test_judging_needs_no_library() -> None:
     assert res["gpu.clocks"].status == Status.FAIL and "HW power brake" in res["gpu.clocks"].message
     assert res["gpu.temperature"].status == Status.OK  # no threshold known: only the reading
     assert res["gpu.mig"].status == Status.WARN and res["gpu.persistence"].status == Status.WARN
+
+
+def test_per_model_limits_hold_each_gpu_to_its_own_model(nvml_dir: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """configs/thresholds.yaml's models section: an H100 SXM needs 18 NVLinks up; another model is not held to it."""
+    from megatrace.check.thresholds import load_thresholds
+
+    conf = tmp_path / "nvml.conf"
+    conf.write_text("gpus=2\ngpu0.nvlinks=12\ngpu1.name=NVIDIA A100-SXM4-80GB\ngpu1.nvlinks=12\n")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(nvml_dir))
+    monkeypatch.setenv("FAKE_NVML_CONFIG", str(conf))
+    limits = load_thresholds(Path(__file__).resolve().parent.parent / "configs" / "thresholds.yaml").gpu
+    results = probe_gpus("n7", 2, 20.0, limits)
+    h100, a100 = by_probe(results, 0)["gpu.nvlink"], by_probe(results, 1)["gpu.nvlink"]
+    assert h100.status == Status.FAIL and h100.message.startswith("12 of 18 NVLinks up"), h100
+    assert a100.status == Status.OK and a100.message == "12 NVLinks up", a100
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models:\n  '*H100*': {gpu: {nvlink: 18}}\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: models.\*H100\*.gpu.nvlink: unknown limit"):
+        load_thresholds(bad)

@@ -53,7 +53,9 @@ def test_slurm_conf_is_rewritten_only_when_it_changes(paths):
 def test_site_conf_names_the_check_command_and_directories(paths):
     keys = dict(line.split("=", 1) for line in render_site_conf(paths).splitlines() if "=" in line
                 and not line.startswith("#"))
-    assert set(keys) == {"MEGATRACE_BIN", "CHECK_CMD", "LOCAL_DIR", "FALLBACK_DIR"}
+    assert set(keys) == {"MEGATRACE_BIN", "CHECK_CMD", "LOCAL_DIR", "FALLBACK_DIR", "HEALTH_ARGS", "HEALTH_ALERTS",
+                         "HEALTH_TIMEOUT"}
+    assert keys["HEALTH_ARGS"].startswith("--resume-after 2 --thresholds ")
     assert keys["CHECK_CMD"].split()[0].endswith("/megatrace-check")
     assert "--node {node} --ring-dir {ring_base} --only node --only gpu --thresholds" in keys["CHECK_CMD"]
 

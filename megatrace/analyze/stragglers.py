@@ -51,7 +51,7 @@ MIN_STEPS = 3  # steady steps needed for any verdict
 # slower in 37-58% of intervals; a 1.2x slow rank: ratio 1.22, slower in 74-76% of ~80 intervals.
 MIN_INTERVAL_NS = 1_000_000  # intervals shorter than this on the peers are call overhead, not compute
 MIN_INTERVALS = 30  # intervals needed for the finer test
-MIN_INTERVAL_RATIO = 1.1  # the rank's median interval is at least 10% longer than its peers' ...
+MIN_INTERVAL_RATIO = 1.07  # the rank's median interval is at least 7% longer than its peers' ...
 MAX_INTERVAL_P = 1e-3  # ... and it is slower in so many intervals that chance explains it with p < 0.1%
 SAME_SPEED_RATIO = 1.05  # call by call within 5% of its peers over enough intervals: the rank computes as fast as
 #                          they do, and a per-step excess comes from elsewhere (short gaps, waits): not a straggler

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import fnmatch
 import re
 import subprocess
 import sys
@@ -40,6 +41,17 @@ class GpuThresholds:
     ecc_sbe_warn: int = 100  # volatile single-bit (corrected) errors since boot
     ecc_dbe_fail: int = 1  # volatile double-bit (uncorrected) errors since boot
     stray_memory_mib: int = 1024  # memory held by processes at job start
+    nvlinks: int = 0  # NVLinks each GPU must have up (0: any; a model section sets it, e.g. 18 for H100 SXM)
+    nvlink_errors_warn: int = 100  # replay, recovery and CRC errors of one link since boot
+    models: tuple[tuple[str, "GpuThresholds"], ...] = ()  # (name pattern, limits) from the file's models section
+
+    def for_model(self, name: Any) -> "GpuThresholds":
+        """The limits for a GPU called ``name``: the first models pattern that matches it (case-insensitive)."""
+        if isinstance(name, str):
+            for pattern, limits in self.models:
+                if fnmatch.fnmatch(name.lower(), pattern.lower()):
+                    return limits
+        return self
 
 
 def parse_xids(text: str) -> list[dict[str, Any]]:
@@ -116,6 +128,7 @@ def read_gpus() -> dict[str, Any]:
                 "mig": _call(pynvml.nvmlDeviceGetMigMode, h),
                 "procs": _call(lambda d: [{"pid": p.pid, "bytes": p.usedGpuMemory}
                                           for p in pynvml.nvmlDeviceGetComputeRunningProcesses(d)], h),
+                "nvlinks": read_nvlinks(pynvml, h),
             })
         return out
     finally:
@@ -123,6 +136,27 @@ def read_gpus() -> dict[str, Any]:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+NVLINK_COUNTERS = {"replay": 0, "recovery": 1, "crc_flit": 2}  # nvmlNvLinkErrorCounter_t (DL_REPLAY, ...)
+
+
+def read_nvlinks(pynvml: Any, h: Any) -> list[dict[str, Any]] | dict[str, str]:
+    """Each NVLink's state and error counters; {"error": ...} when the GPU has none (NVML: not supported)."""
+    links: list[dict[str, Any]] = []
+    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        state = _call(pynvml.nvmlDeviceGetNvLinkState, h, link)
+        if isinstance(state, dict):
+            if not links:
+                return state
+            break  # past the GPU's last link
+        entry: dict[str, Any] = {"link": link, "up": bool(state)}
+        for name, counter in NVLINK_COUNTERS.items():
+            value = _call(pynvml.nvmlDeviceGetNvLinkErrorCounter, h, link, counter)
+            if isinstance(value, int):
+                entry[name] = value
+        links.append(entry)
+    return links
 
 
 def _call(fn: Any, *args: Any) -> Any:
@@ -181,7 +215,7 @@ def judge_gpus(facts: dict[str, Any], node: str, expected: int | None,
         out.append(ProbeResult("gpu.count", Status.OK, here, f"{len(gpus)} GPUs", value=len(gpus), threshold=expected))
     xids = facts.get("xids")
     for g in gpus:
-        out += _judge_one(node, g, thresholds)
+        out += _judge_one(node, g, thresholds.for_model(g.get("name")))
         if isinstance(xids, list) and isinstance(g.get("pci_bus"), str):
             out += _judge_xids(node, g, [x for x in xids if x["pci"] == _bus_key(g["pci_bus"])])
     return out
@@ -287,6 +321,9 @@ def _judge_one(node: str, g: dict[str, Any], t: GpuThresholds) -> list[ProbeResu
                 t.stray_memory_mib, "A previous job left processes on the GPU: kill them or drain the node.")
         else:
             add("memory", Status.OK, f"{held} MiB held by other processes", held, t.stray_memory_mib)
+    links = g.get("nvlinks")
+    if links is not None and not unsupported("nvlink", links):
+        _judge_nvlinks(links, t, add)
     mig = g.get("mig")
     if isinstance(mig, list) and mig[0]:
         add("mig", Status.WARN, "MIG mode is on", mig)
@@ -294,6 +331,30 @@ def _judge_one(node: str, g: dict[str, Any], t: GpuThresholds) -> list[ProbeResu
         add("persistence", Status.WARN, "persistence mode is off (slow first CUDA call, flaky clocks)", 0, 1,
             "nvidia-smi -pm 1, or run nvidia-persistenced.")
     return res
+
+
+def _judge_nvlinks(links: list[dict[str, Any]], t: GpuThresholds, add: Any) -> None:
+    """A link down among up ones (or fewer up than the model has) fails; many link errors warn."""
+    up = [x["link"] for x in links if x.get("up")]
+    down = [x["link"] for x in links if not x.get("up")]
+    errors = {x["link"]: sum(x.get(k, 0) for k in NVLINK_COUNTERS) for x in links}
+    noisy = {k: v for k, v in errors.items() if v >= t.nvlink_errors_warn}
+    if t.nvlinks and len(up) < t.nvlinks:
+        add("nvlink", Status.FAIL, f"{len(up)} of {t.nvlinks} NVLinks up (down: {', '.join(map(str, down)) or '-'})",
+            len(up), t.nvlinks, "A GPU with NVLinks down falls back to slower paths and slows every collective: "
+            "check nvidia-smi nvlink -s; reset the GPU or drain the node.")
+    elif up and down and not t.nvlinks:
+        add("nvlink", Status.FAIL, f"NVLink {', '.join(map(str, down))} down while {len(up)} others are up",
+            len(up), len(links), "check nvidia-smi nvlink -s and the fabric manager; reset the GPU or drain the node.")
+    elif not up:
+        add("nvlink", Status.SKIP, "no NVLink up (none connected)", 0, t.nvlinks or None)
+    elif noisy:
+        worst = max(noisy, key=noisy.get)
+        add("nvlink", Status.WARN, f"NVLink {worst}: {noisy[worst]} replay/recovery/CRC errors since boot"
+            + (f" (and {len(noisy) - 1} more links)" if len(noisy) > 1 else ""), noisy, t.nvlink_errors_warn,
+            "A link that keeps retrying slows NVLink traffic: watch nvidia-smi nvlink -e; reseat or replace.")
+    else:
+        add("nvlink", Status.OK, f"{len(up)} NVLinks up", len(up), t.nvlinks or None)
 
 
 def main() -> int:

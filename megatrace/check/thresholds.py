@@ -6,6 +6,8 @@ file and the field, as a typo must not silently keep a default)::
     gpu:  {temp_margin_c: 5, ecc_sbe_warn: 100, ecc_dbe_fail: 1, stray_memory_mib: 1024}
     node: {min_free_shm_mib: 1024, min_free_job_mib: 1024, cpu_ratio_warn: 0.75, ...}
     net:  {slow_ratio: 0.5, min_busbw_gbps: 40.0}
+    models:                       # per GPU model (fnmatch on the NVML name, first match wins)
+      "*H100*SXM*": {gpu: {nvlinks: 18}}
 
 ``megatrace-check --calibrate FILE`` runs the checks on an allocation known to be healthy and writes
 such a file with ``net.min_busbw_gbps`` set to a share of the bus bandwidth it measured.
@@ -32,14 +34,26 @@ class ThresholdsError(ValueError):
     """A thresholds file that cannot be used; the message names the file and the field."""
 
 
+# Per-model GPU limits built in (configs/thresholds.yaml lists the same): NVLinks each must have up.
+DEFAULT_GPU_MODELS = (("NVIDIA H100 80GB HBM3", GpuThresholds(nvlinks=18)),  # H100 SXM5
+                      ("NVIDIA H200", GpuThresholds(nvlinks=18)),  # H200 SXM (the H200 NVL has fewer)
+                      ("*A100-SXM4*", GpuThresholds(nvlinks=12)))
+
+
 @dataclass(frozen=True)
 class Thresholds:
-    gpu: GpuThresholds = field(default_factory=GpuThresholds)
+    gpu: GpuThresholds = field(default_factory=lambda: GpuThresholds(models=DEFAULT_GPU_MODELS))
     node: HostThresholds = field(default_factory=HostThresholds)
     net: NetThresholds = field(default_factory=NetThresholds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in ("gpu", "node", "net")}
+        out: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in ("gpu", "node", "net")}
+        out["gpu"].pop("models", None)
+        if self.gpu.models:
+            out["models"] = {pattern: {"gpu": {k: v for k, v in dataclasses.asdict(limits).items()
+                                               if k != "models" and v != out["gpu"][k]}}
+                             for pattern, limits in self.gpu.models}
+        return out
 
 
 def load_thresholds(path: str | Path | None) -> Thresholds:
@@ -48,26 +62,44 @@ def load_thresholds(path: str | Path | None) -> Thresholds:
         return Thresholds()
     data = read_yaml(path, ThresholdsError, "thresholds") or {}
     if not isinstance(data, dict):
-        raise ThresholdsError(f"{path}: expected a mapping with sections gpu, node, net")
+        raise ThresholdsError(f"{path}: expected a mapping with sections gpu, node, net, models")
     defaults = Thresholds()
     parts = {}
     for section, value in data.items():
+        if section == "models":
+            continue
         if section not in ("gpu", "node", "net"):
-            raise ThresholdsError(f"{path}: unknown section {section!r} (one of gpu, node, net)")
-        base = getattr(defaults, section)
-        if not isinstance(value, dict):
-            raise ThresholdsError(f"{path}: {section}: expected a mapping of limits")
-        known = {f.name: f for f in dataclasses.fields(base)}
-        for key, v in value.items():
-            if key not in known:
-                raise ThresholdsError(f"{path}: {section}.{key}: unknown limit (known: {', '.join(known)})")
-            want = type(getattr(base, key))
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
-                raise ThresholdsError(f"{path}: {section}.{key}: expected a {want.__name__}, got {v!r}")
-            if v < 0:
-                raise ThresholdsError(f"{path}: {section}.{key}: must not be negative, got {v}")
-        parts[section] = dataclasses.replace(base, **{k: type(getattr(base, k))(v) for k, v in value.items()})
-    return dataclasses.replace(defaults, **parts)
+            raise ThresholdsError(f"{path}: unknown section {section!r} (one of gpu, node, net, models)")
+        parts[section] = _section(path, section, getattr(defaults, section), value)
+    out = dataclasses.replace(defaults, **parts)
+    if "models" in data:
+        models = data["models"]
+        if not isinstance(models, dict):
+            raise ThresholdsError(f"{path}: models: expected a mapping of GPU name patterns to limits")
+        entries, plain = [], dataclasses.replace(out.gpu, models=())
+        for pattern, limits in models.items():
+            where = f"models.{pattern}"
+            if not isinstance(limits, dict) or set(limits) - {"gpu"}:
+                raise ThresholdsError(f"{path}: {where}: expected {{gpu: {{...}}}} (per-model GPU limits)")
+            entries.append((str(pattern), _section(path, f"{where}.gpu", plain, limits.get("gpu") or {})))
+        out = dataclasses.replace(out, gpu=dataclasses.replace(out.gpu, models=tuple(entries)))
+    return out
+
+
+def _section(path: str | Path, where: str, base: Any, value: Any) -> Any:
+    """``base`` (a limits dataclass) with the numbers of ``value`` (checked: known keys, types, signs)."""
+    if not isinstance(value, dict):
+        raise ThresholdsError(f"{path}: {where}: expected a mapping of limits")
+    known = {f.name: f for f in dataclasses.fields(base) if f.name != "models"}
+    for key, v in value.items():
+        if key not in known:
+            raise ThresholdsError(f"{path}: {where}.{key}: unknown limit (known: {', '.join(known)})")
+        want = type(getattr(base, key))
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
+            raise ThresholdsError(f"{path}: {where}.{key}: expected a {want.__name__}, got {v!r}")
+        if v < 0:
+            raise ThresholdsError(f"{path}: {where}.{key}: must not be negative, got {v}")
+    return dataclasses.replace(base, **{k: type(getattr(base, k))(v) for k, v in value.items()})
 
 
 def calibrated(current: Thresholds, busbw_gbps: float | None) -> Thresholds:

@@ -45,6 +45,7 @@ class LabDemo:
 
 def batch_script(demo: LabDemo) -> str:
     dp = demo.ranks // (demo.tp * demo.pp)
+    fault = f"--fault {demo.fault} " if demo.fault else ""
     return f"""#!/bin/bash
 # The MegaTrace demo job under Slurm (written by `megatrace lab demo`).
 # Rank and world come from SLURM_PROCID / SLURM_NTASKS; every virtual node is this host.
@@ -52,7 +53,7 @@ export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) OMP_N
 out="${{MEGATRACE_OUT_DIR:-$SLURM_SUBMIT_DIR/megatrace-$SLURM_JOB_ID}}/step-0"
 srun -N{demo.nodes} -n{demo.ranks} --overcommit --kill-on-bad-exit=1 \\
     {sys.executable} -m megatrace.demo --tp {demo.tp} --pp {demo.pp} --dp {dp} --steps {demo.steps} \\
-    --fault {demo.fault} --comm-timeout {demo.comm_timeout_s} -o "$out"
+    {fault}--comm-timeout {demo.comm_timeout_s} -o "$out"
 echo "megatrace demo: srun exited with status $?; traces in $out"
 """
 

@@ -15,6 +15,8 @@
  *   gpu0.pcie_gen=5  gpu0.pcie_gen_max=5  gpu0.pcie_width=16  gpu0.pcie_width_max=16
  *   gpu0.persistence=1  gpu0.mig=0
  *   gpu0.procs=1234:1073741824,5678:2048   (pid:used bytes)
+ *   gpu0.nvlinks=18  gpu0.nvlink_down=3,7   (links 0..17, two of them down; 0 links: not supported)
+ *   gpu0.nvlink5.replay=9  gpu0.nvlink5.recovery=0  gpu0.nvlink5.crc_flit=400   (error counters)
  *   gpu0.hang_ms=5000          (every call about this GPU sleeps that long: a wedged driver)
  *   gpu0.error.<function>=3    (that function fails with this NVML error code)
  *
@@ -300,5 +302,36 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t dev, unsigned 
     }
     memcpy(infos, found, n * sizeof *found);
     *count = n;
+    return OK;
+}
+
+static int in_list(const char *list, unsigned int value) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", list ? list : "");
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ","))
+        if (strtoul(tok, NULL, 10) == value) return 1;
+    return 0;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t dev, unsigned int link, unsigned int *active) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetNvLinkState");
+    if (r) return r;
+    unsigned long long links = gpu_num(dev->index, "nvlinks", 0);
+    if (!links) return ERR_NOT_SUPPORTED;
+    if (link >= links) return ERR_INVALID;
+    *active = in_list(gpu_get(dev->index, "nvlink_down"), link) ? 0 : 1;
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t dev, unsigned int link, unsigned int counter,
+                                             unsigned long long *value) {
+    static const char *const names[] = {"replay", "recovery", "crc_flit", "crc_data"};
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetNvLinkErrorCounter");
+    if (r) return r;
+    if (link >= gpu_num(dev->index, "nvlinks", 0)) return ERR_INVALID;
+    if (counter > 3) return ERR_INVALID;
+    char field[64];
+    snprintf(field, sizeof field, "nvlink%u.%s", link, names[counter]);
+    *value = gpu_num(dev->index, field, 0);
     return OK;
 }
