@@ -163,3 +163,43 @@ def test_per_model_limits_hold_each_gpu_to_its_own_model(nvml_dir: Path, tmp_pat
     bad.write_text("models:\n  '*H100*': {gpu: {nvlink: 18}}\n")
     with pytest.raises(ValueError, match=r"bad.yaml: models.\*H100\*.gpu.nvlink: unknown limit"):
         load_thresholds(bad)
+
+
+DCGM_DOC = {"DCGM Diagnostic": {"version": "4.2.3", "test_categories": [
+    {"category": "Deployment", "tests": [{"name": "software", "results": [
+        {"entity_group": "GPU", "entity_id": 0, "status": "Pass"},
+        {"entity_group": "GPU", "entity_id": 1, "status": "Pass"}], "test_summary": {"status": "Pass"}}]},
+    {"category": "Hardware", "tests": [{"name": "memory", "results": [
+        {"entity_group": "GPU", "entity_id": 0, "status": "Pass"},
+        {"entity_group": "GPU", "entity_id": 1, "status": "Fail",
+         "warnings": [{"warning": "GPU 1 had uncorrectable memory errors and row remapping failed"}]}],
+        "test_summary": {"status": "Fail"}}]}]}}
+
+
+def test_the_dcgm_level_1_diagnostic_is_judged_per_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dcgmi diag -r 1 -j` through a stand-in for the dcgmi tool (no DCGM on this machine)."""
+    import copy
+    import json
+
+    from megatrace.check.dcgm import probe_dcgm
+
+    dcgmi = str(Path(__file__).parent / "dcgmi_double.py")
+    doc = tmp_path / "diag.json"
+    doc.write_text(json.dumps(DCGM_DOC))
+    monkeypatch.setenv("FAKE_DCGMI_JSON", str(doc))
+    (fail,) = probe_dcgm("n7", dcgmi=dcgmi)
+    assert fail.status == Status.FAIL and fail.subject.gpu == 1 and "DCGM memory: GPU 1 had uncorrectable" in fail.message
+    assert fail.drain_reason().startswith("megatrace: GPU1 DCGM memory")
+    passing = copy.deepcopy(DCGM_DOC)
+    passing["DCGM Diagnostic"]["test_categories"][1]["tests"][0]["results"][1]["status"] = "Pass"
+    doc.write_text(json.dumps(passing))
+    (ok,) = probe_dcgm("n7", dcgmi=dcgmi)
+    assert ok.status == Status.OK and ok.message == "DCGM level-1 diagnostic passed (2 tests)"
+    monkeypatch.delenv("FAKE_DCGMI_JSON")
+    monkeypatch.setenv("FAKE_DCGMI_RC", "255")
+    (down,) = probe_dcgm("n7", dcgmi=dcgmi)
+    assert down.status == Status.WARN and "unable to establish a connection" in down.message
+    monkeypatch.setenv("FAKE_DCGMI_SLEEP", "5")
+    (hung,) = probe_dcgm("n7", timeout_s=1.0, dcgmi=dcgmi)
+    assert hung.status == Status.FAIL and "did not finish within 1 s" in hung.message
+    assert probe_dcgm("n7", dcgmi=None) == [] or shutil.which("dcgmi")  # not installed: no result at all

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatrace.check.dcgm import probe_dcgm
 from megatrace.check.gpu import probe_gpus
 from megatrace.check.host import judge_allocation, judge_host, read_host
 from megatrace.check.results import ProbeResult, Status, worst
@@ -105,6 +106,8 @@ def check_this_node(opts: CheckOptions, node: str) -> tuple[list[ProbeResult], d
     if _family("gpu", opts.only):
         results += probe_gpus(node, expected_gpus(opts.expect_gpus), timeout_s=min(opts.timeout_s / 2, 30.0),
                               thresholds=opts.thresholds.gpu)
+        if opts.level == "full":  # NVIDIA DCGM's level-1 diagnostic, where dcgmi is installed
+            results += probe_dcgm(node, timeout_s=max(10.0, opts.timeout_s / 2))
     results += judge_host(facts, node, opts.thresholds.node)
     return [r for r in results if _wanted(r.probe, opts.only)], facts
 
