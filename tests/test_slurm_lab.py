@@ -324,6 +324,9 @@ def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resum
                     timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert f"HealthCheckInterval={interval}" in Path("/etc/slurm/slurm.conf").read_text()
+        # A history of its own: an alert sent by an earlier run on this machine would still be deduplicated.
+        site = Path("/etc/megatrace/slurm.conf")
+        site.write_text(site.read_text().replace("HEALTH_ARGS=", f"HEALTH_ARGS=--history {tmp_path}/history.db ", 1))
         fail.write_text("drill: slurmd health check\n")
         os.chmod(fail, 0o644)
         injected = time.monotonic()
@@ -334,13 +337,13 @@ def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resum
         assert len(got) == 1 and got[0]["key"] == "n3:node.injected", got
         fail.unlink()
         assert _wait_for(lambda: "drain" not in node_state("n3")[0], timeout=4 * interval), node_state("n3")
-        nodes = _run([MEGATRACE, "nodes"])
+        nodes = _run([MEGATRACE, "nodes", "--history", str(tmp_path / "history.db")])
         assert "n3" in nodes.stdout and "slurmd health check" in nodes.stdout, nodes.stdout
     finally:
         fail.unlink(missing_ok=True)
         alerts.unlink(missing_ok=True)
         server.shutdown()
-        _run([MEGATRACE, "lab", "up", "--nodes", "4", "--skip-install"], timeout=120)  # the default interval
+        _run([MEGATRACE, "lab", "up", "--nodes", "4", "--skip-install"], timeout=120)  # the default interval, site conf
         _run(["scontrol", "update", "NodeName=n3", "State=RESUME"])
 
 
