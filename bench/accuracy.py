@@ -1,6 +1,6 @@
 """Culprit accuracy on a simulated fault matrix, with healthy controls.
 
-    python bench/accuracy.py [--scenarios 60] [--tp 2] [--pp 4] [--dp 4] [--steps 10] [--seed 0]
+    python bench/accuracy.py [--scenarios 100] [--tp 2] [--pp 4] [--dp 4] [--steps 10] [--seed 0]
 
 Every scenario is a ``megatrace simulate`` job (the demo's 1F1B step, per-rank jitter, per-host
 clock errors) with one fault drawn at random: a compute hang (random phase), a communication
@@ -74,7 +74,7 @@ def judge(out: Path, spec: str | None) -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenarios", type=int, default=60)
+    parser.add_argument("--scenarios", type=int, default=100)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--dp", type=int, default=4)
