@@ -233,8 +233,8 @@ def test_a_failed_preflight_drains_the_node_and_the_job_runs_on_the_others(lab, 
     assert "drain" not in node_state("n2")[0]
 
 
-def test_the_health_check_drains_a_failing_node_alerts_once_and_resumes_it(lab, tmp_path):
-    """megatrace health, run as slurmd runs a HealthCheckProgram (root, on the node), against the real slurmctld."""
+def webhook_receiver():
+    """A loopback HTTP server that keeps every JSON alert POSTed to it: (server, the alerts so far)."""
     from http.server import BaseHTTPRequestHandler, HTTPServer
     import threading
 
@@ -251,6 +251,12 @@ def test_the_health_check_drains_a_failing_node_alerts_once_and_resumes_it(lab, 
 
     server = HTTPServer(("127.0.0.1", 0), Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, got
+
+
+def test_the_health_check_drains_a_failing_node_alerts_once_and_resumes_it(lab, tmp_path):
+    """megatrace health, run as slurmd runs a HealthCheckProgram (root, on the node), against the real slurmctld."""
+    server, got = webhook_receiver()
     alerts = tmp_path / "alerts.yaml"
     alerts.write_text(f"webhook: {{url: 'http://127.0.0.1:{server.server_address[1]}/hook'}}\n")
     fail = FAIL_FILE.with_name("fail-preflight-n4")
@@ -299,22 +305,7 @@ def _wait_for(what, timeout: float, step: float = 0.5):
 @pytest.mark.slow
 def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resumes(lab, tmp_path):
     """The lab's slurm.conf names slurm/healthcheck as HealthCheckProgram; here with a 10 s interval."""
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-    import threading
-
-    got: list[dict] = []
-
-    class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server, got = webhook_receiver()
     alerts = Path("/etc/megatrace/alerts.yaml")
     alerts.write_text(f"webhook: {{url: 'http://127.0.0.1:{server.server_address[1]}/hook'}}\n")
     fail = FAIL_FILE.with_name("fail-preflight-n3")
