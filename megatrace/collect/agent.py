@@ -354,6 +354,8 @@ class Agent:
         cfg = self.cfg
         if not cfg.timelimit_lead_s or not os.environ.get("SLURM_JOB_ID") or not cfg.job_id.isdigit():
             return
+        if self.state.exists("collect-hang.lock"):  # the hang's own collection is the better evidence: keep it
+            return
         if time.monotonic() - self._end_time_read > END_TIME_REFRESH_S:
             from megatrace.collect.slurm import end_time, job_fields
 
