@@ -89,6 +89,14 @@ static int parse_bool(const char *value, bool *out)
 	return 0;
 }
 
+/* An absolute, valid path argument copied into dst; -1 when it is neither. */
+static int copy_abs_path(char *dst, size_t len, const char *value)
+{
+	if (value[0] != '/' || valid_path(value))
+		return -1;
+	return mt_snprintf(dst, len, "%s", value);
+}
+
 int mt_conf_parse(struct mt_site_conf *conf, int ac, char **av)
 {
 	int v;
@@ -118,24 +126,21 @@ int mt_conf_parse(struct mt_site_conf *conf, int ac, char **av)
 		value = eq + 1;
 #define KEY(name) (klen == strlen(name) && strncmp(arg, name, klen) == 0)
 		if (KEY("megatrace")) {
-			if (value[0] != '/' || valid_path(value) ||
-			    mt_snprintf(conf->megatrace, sizeof(conf->megatrace), "%s", value))
+			if (copy_abs_path(conf->megatrace, sizeof(conf->megatrace), value))
 				goto bad;
 		} else if (KEY("local_dir")) {
-			if (value[0] != '/' || valid_path(value) ||
-			    mt_snprintf(conf->local_dir, sizeof(conf->local_dir), "%s", value))
+			if (copy_abs_path(conf->local_dir, sizeof(conf->local_dir), value))
 				goto bad;
 		} else if (KEY("fallback_dir")) {
-			if (value[0] != '/' || valid_path(value) ||
-			    mt_snprintf(conf->fallback_dir, sizeof(conf->fallback_dir), "%s", value))
+			if (copy_abs_path(conf->fallback_dir, sizeof(conf->fallback_dir), value))
 				goto bad;
 		} else if (KEY("run_dir")) {
-			if (value[0] != '/' || valid_path(value) ||
-			    mt_snprintf(conf->run_dir, sizeof(conf->run_dir), "%s", value))
+			if (copy_abs_path(conf->run_dir, sizeof(conf->run_dir), value))
 				goto bad;
 		} else if (KEY("nccl_preload")) {
-			if (value[0] != '/' || valid_path(value) || strchr(value, ':') || strchr(value, ' ') ||
-			    mt_snprintf(conf->nccl_preload, sizeof(conf->nccl_preload), "%s", value))
+			/* one LD_PRELOAD entry: no list separators */
+			if (strchr(value, ':') || strchr(value, ' ') ||
+			    copy_abs_path(conf->nccl_preload, sizeof(conf->nccl_preload), value))
 				goto bad;
 		} else if (KEY("hang_timeout")) {
 			if (parse_seconds(value, &conf->hang_timeout))
