@@ -1,4 +1,4 @@
-"""NCCL Inspector output written from a real demo run (rank 1 computes twice as slowly), imported.
+"""NCCL Inspector output written from real demo runs (one rank computes twice as slowly), imported and analysed.
 
 :func:`write_inspector` writes each rank's completed collectives in the plugin's JSON format (header,
 metadata, coll_perf; ``event_trace_ts`` when verbose), one file per process named ``<host>-pid<pid>.log``
@@ -16,9 +16,14 @@ import pytest
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # real multi-process torch runs
 
+from click.testing import CliRunner  # noqa: E402
+
+from megatrace.analyze.engine import analyze  # noqa: E402
+from megatrace.analyze.findings import Kind  # noqa: E402
 from megatrace.analyze.importers import detect_format  # noqa: E402
 from megatrace.analyze.load import load_trace  # noqa: E402
 from megatrace.analyze.traceset import TraceLoadError, TraceSet  # noqa: E402
+from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
 
@@ -59,13 +64,28 @@ def write_inspector(trace: TraceSet, out: Path, verbose: bool = True, name=None)
     return written
 
 
+def run_demo(out: Path, tp: int, pp: int, dp: int, faults: tuple[str, ...]) -> tuple[TraceSet, int | None]:
+    """A real demo run (6 steps) and its slow rank from the ground truth (None: healthy)."""
+    run_local(DemoOptions(tp=tp, pp=pp, dp=dp, steps=6, faults=faults, out=out, stall_s=10.0), log=lambda msg: None)
+    truth = json.loads((out / "fault.json").read_text())["faults"] if faults else []
+    return load_trace(out), (truth[0]["rank"] if truth else None)
+
+
+def inspector_of(trace: TraceSet, out: Path) -> Path:
+    """Inspector lines of ``trace`` beside the demo's layout (what a user passes along with the logs)."""
+    write_inspector(trace, out)
+    (out / "layout.yaml").write_text((trace.path / "layout.yaml").read_text())
+    return out
+
+
+def stragglers(path: Path) -> list[int]:
+    return [f.subject.rank for f in analyze(path).findings if f.kind == Kind.STRAGGLER]
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[TraceSet, int]:
-    out = tmp_path_factory.mktemp("inspector") / "slow"
-    run_local(DemoOptions(tp=2, pp=2, dp=1, steps=4, faults=("slow:rank=1,factor=2",), out=out, stall_s=10.0),
-              log=lambda msg: None)
-    (fault,) = json.loads((out / "fault.json").read_text())["faults"]
-    return load_trace(out), fault["rank"]
+    """TP2·PP2·DP1: no data-parallel sync, so no step can be told apart from collectives alone."""
+    return run_demo(tmp_path_factory.mktemp("inspector") / "slow", 2, 2, 1, ("slow:rank=1,factor=2",))
 
 
 def test_inspector_lines_become_the_same_collectives(demo: tuple[TraceSet, int], tmp_path: Path) -> None:
@@ -87,7 +107,31 @@ def test_inspector_lines_become_the_same_collectives(demo: tuple[TraceSet, int],
         keep = np.isin(rec.op[rows], list(COLL)) & (rec.state[rows] == State.COMPLETED)
         wall = (info.anchor_wall_ns + rec.t_enqueue[rows][keep] - info.anchor_mono_ns) // 1000 * 1000
         assert sorted(got.records.t_enqueue[got.rows(rank)].tolist()) == sorted(wall.tolist())
-    assert slow in got.ranks  # (the culprit of this run, rank 1, computes slowly: see docs/importers.md, Limits)
+
+
+def test_the_slow_rank_is_named_without_steps(demo: tuple[TraceSet, int], tmp_path: Path) -> None:
+    trace, slow = demo
+    insp = inspector_of(trace, tmp_path / "insp")
+    result = CliRunner().invoke(main, ["analyze", str(insp), "--format", "inspector", "--no-report"])
+    assert result.exit_code == 0, result.output
+    verdict = result.output.splitlines()[0]
+    assert verdict.startswith(f"VERDICT [warning] rank {slow} ") and "slower than the ranks doing the same work" in verdict
+    assert "no step could be told apart" in result.output
+    assert stragglers(insp) == [slow]
+
+
+def test_a_healthy_run_names_no_straggler(tmp_path: Path) -> None:
+    trace, _ = run_demo(tmp_path / "healthy", 2, 2, 1, ())
+    assert stragglers(inspector_of(trace, tmp_path / "insp")) == []
+
+
+def test_the_straggler_is_told_from_its_waiting_pipeline_neighbour(tmp_path: Path) -> None:
+    """Rank 5 (stage 1) is slow; rank 1, its stage-0 neighbour, waits in receives the Inspector never records."""
+    trace, slow = run_demo(tmp_path / "slow5", 2, 2, 2, ("slow:rank=5,factor=2",))
+    insp = inspector_of(trace, tmp_path / "insp")
+    result = analyze(insp)
+    assert stragglers(insp) == [slow]
+    assert any("rank 1 of its pipeline is slower too" in str(e) for e in result.findings[0].evidence)
 
 
 def test_without_the_verbose_trace_times_come_from_the_dump(demo: tuple[TraceSet, int], tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from megatrace.analyze.match import Collectives
 from megatrace.analyze.segments import MARKER
 from megatrace.analyze.traceset import TraceSet, rank_list
 from megatrace.analyze.words import duration, rank_label, rank_subject
-from megatrace.trace.ring_format import State
+from megatrace.trace.ring_format import Op, State
 
 WARMUP_STEPS = 1  # the first step is excluded: allocator, connection setup and autograd warm-up dominate it
 MIN_PEERS_SAME_TP = 3  # compare with ranks of the same stage *and* TP position only when there are this many
@@ -79,6 +79,7 @@ class RankStats:
     intervals: int = 0  # paired compute intervals compared (0: calls not comparable with the peers')
     intervals_slower: int = 0  # of them, those where this rank took longer than its peers' median
     interval_ratio: float = 1.0  # median of (own interval / peers' median interval)
+    whole_trace: bool = False  # no steps: compared call by call over the whole trace (steps == 0)
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -106,6 +107,7 @@ class StragglerResult:
     slow_ranks: list[int] = field(default_factory=list)  # ranks whose every pair is slow (row + column)
     slow_links: list[PairStats] = field(default_factory=list)  # cells not explained by a slow rank
     impact_ns: dict[int, int] = field(default_factory=dict)  # straggler -> step time it costs (critical path)
+    explained: dict[int, int] = field(default_factory=dict)  # slower rank -> the straggler it waits on (no p2p)
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -147,10 +149,12 @@ def _confidence(s: RankStats, n_peers: int) -> float:
 
     The better of the two tests counts: per step, or per paired compute interval.
     """
-    if not s.steps or s.excess_ns <= 0:
+    if (not s.steps and not s.whole_trace) or s.excess_ns <= 0:
         return 0.0
-    certain = 1.0 - _sign_tail(s.steps_slower, s.steps)  # P(>= k positive | no effect)
-    effect = min(1.0, s.excess_ns / (2 * MIN_EXCESS_NS), s.relative / (2 * MIN_EXCESS_REL))
+    certain, effect = 0.0, 0.0
+    if s.steps:
+        certain = 1.0 - _sign_tail(s.steps_slower, s.steps)  # P(>= k positive | no effect)
+        effect = min(1.0, s.excess_ns / (2 * MIN_EXCESS_NS), s.relative / (2 * MIN_EXCESS_REL))
     if s.intervals >= MIN_INTERVALS and s.interval_ratio > 1.0:
         fine = 1.0 - _sign_tail(s.intervals_slower, s.intervals)
         fine_effect = min(1.0, (s.interval_ratio - 1.0) / (2 * (MIN_INTERVAL_RATIO - 1.0)))
@@ -202,6 +206,73 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
             s = stats[r]
             s.intervals, s.intervals_slower = int(long.sum()), int((ratio > 1.0).sum())
             s.interval_ratio = float(np.median(ratio))
+
+
+def compare_calls(trace: TraceSet, roles: np.ndarray, gap: np.ndarray) -> dict[int, RankStats]:
+    """The finer test without steps: pair the calls of ranks doing the same work over the whole trace.
+
+    For traces where no step can be told apart (collectives only and no data-parallel sync, as NCCL
+    Inspector output of a DP=1 job): the ``k``-th call of one member matches the ``k``-th of another as long
+    as their operations agree. The per-step fields stay 0; ``compute_ns`` is the rank's compute over the
+    paired calls and ``excess_ns`` its excess over the peers' median.
+    """
+    rec = trace.records
+    ranks = trace.ranks.tolist()
+    out: dict[int, RankStats] = {}
+    for group in peer_groups(trace):
+        if len(group) < 2:
+            continue
+        rows = []
+        for i in group.tolist():
+            lo, hi = int(trace.starts[i]), int(trace.starts[i + 1])
+            rows.append(lo + np.flatnonzero((roles[lo:hi] != MARKER) & (rec.state[lo:hi] == State.COMPLETED)))
+        n = min(len(r) for r in rows)
+        ops = np.stack([rec.op[r[:n]] for r in rows])
+        differ = np.flatnonzero((ops != ops[0]).any(axis=0))
+        n = int(differ[0]) if len(differ) else n  # the same program up to here
+        if n < MIN_INTERVALS:
+            continue
+        g = np.stack([gap[r[:n]].astype(np.float64) for r in rows])
+        g[:, 0] = 0.0  # the first call's "gap" is the time before tracing began
+        members = tuple(ranks[i] for i in group.tolist())
+        whole = np.median(g, axis=0) if len(members) > SMALL_GROUP else None
+        for k, r in enumerate(members):
+            ref = whole if whole is not None else np.median(np.delete(g, k, axis=0), axis=0)
+            long = ref >= MIN_INTERVAL_NS
+            own, peer = float(g[k].sum()), float(ref.sum())
+            s = RankStats(r, members, int(own), int(peer), int(own - peer), 0, 0, 0, whole_trace=True)
+            if long.sum() >= MIN_INTERVALS:
+                ratio = g[k][long] / ref[long]
+                s.intervals, s.intervals_slower = int(long.sum()), int((ratio > 1.0).sum())
+                s.interval_ratio = float(np.median(ratio))
+            out[r] = s
+    return out
+
+
+def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: list[int],
+                        notes: list[str]) -> tuple[list[int], dict[int, int]]:
+    """Unflag ranks that a stronger straggler of their own pipeline explains; returns (flagged, rank -> straggler).
+
+    Only for traces without point-to-point records: there a rank's wait in a pipeline receive counts as
+    compute, so the stage next to a slow rank looks slow too, by a smaller ratio call by call. A rank is
+    explained when a flagged rank of the same pipeline (same DP and TP coordinates, another stage)
+    exceeds its peers call by call by at least twice as much.
+    """
+    layout = trace.layout
+    if layout is None or layout.pp < 2 or len(flagged) < 2 or np.isin(trace.records.op, (Op.SEND, Op.RECV)).any():
+        return flagged, {}
+    explained = {}
+    for r in flagged:
+        c = layout.coords(r)
+        for q in flagged:
+            cq = layout.coords(q)
+            if (q != r and (cq.dp, cq.tp) == (c.dp, c.tp) and cq.pp != c.pp and stats[r].intervals
+                    and stats[q].intervals and stats[q].interval_ratio - 1.0 >= 2 * (stats[r].interval_ratio - 1.0)):
+                explained[r] = q
+                stats[r].straggler = False
+                notes.append(f"rank {r} is slower than its peers, presumably waiting in receives from rank {q}")
+                break
+    return [r for r in flagged if r not in explained], explained
 
 
 def _slow_by_intervals(s: RankStats) -> bool:
@@ -281,8 +352,11 @@ def judge(stats: dict[int, RankStats], step_ns: int) -> list[int]:
         same_speed = s.intervals >= MIN_INTERVALS and s.interval_ratio < SAME_SPEED_RATIO
         per_step = (s.excess_ns >= MIN_EXCESS_NS and s.relative >= MIN_EXCESS_REL
                     and s.consistency >= MIN_CONSISTENCY and not same_speed)
-        s.straggler = (s.steps >= MIN_STEPS and s.excess_ns >= MIN_STEP_SHARE * step_ns
-                       and (per_step or _slow_by_intervals(s)))
+        if s.whole_trace:  # step_ns: the length of the trace
+            s.straggler = _slow_by_intervals(s) and s.excess_ns >= max(MIN_EXCESS_NS, MIN_STEP_SHARE * step_ns)
+        else:
+            s.straggler = (s.steps >= MIN_STEPS and s.excess_ns >= MIN_STEP_SHARE * step_ns
+                           and (per_step or _slow_by_intervals(s)))
         if s.straggler:
             flagged.append(s.rank)
     return sorted(flagged, key=lambda r: -stats[r].excess_ns)
@@ -295,22 +369,43 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
     """Straggler statistics, arrival-lag blame, the delay matrix and slow links over the steady steps."""
     world = trace.world_size
     if not it.n_steps:
-        return StragglerResult([], 0, {}, [], delay_matrix([], world), notes=["no complete step: nothing to compare"])
+        return _whole_trace_stragglers(trace, it, te, tc)
     stats, steps = compare_peers(trace, it)
     step_cols = np.isin(it.steps, steps)
     step_ns = int(np.median(it.step_ns[step_cols]))
     gap = it.gap if it.gap is not None else compute_gaps(trace, it.roles, te, tc)
     compare_intervals(trace, it, gap, steps, stats)
+    if not any(s.intervals for s in stats.values()):  # too few steps to pair calls within them: pair them all
+        for r, whole in compare_calls(trace, it.roles, gap).items():
+            if r in stats:
+                s = stats[r]
+                s.intervals, s.intervals_slower, s.interval_ratio = (whole.intervals, whole.intervals_slower,
+                                                                     whole.interval_ratio)
     for r, (caused, own, times, entered) in arrival_lags(trace, ix, c, it, te, gap, steps).items():
         if r in stats:
             s = stats[r]
             s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
-    flagged = judge(stats, step_ns)
+    notes: list[str] = []
+    flagged, explained = _explain_neighbours(trace, stats, judge(stats, step_ns), notes)
     pairs, delay, slow_ranks, slow_links = analyze_links(trace, ix, c, it, te, tc, steps)
-    notes = []
     if len(steps) < MIN_STEPS:
         notes.append(f"only {len(steps)} steady steps: too few to judge stragglers")
-    return StragglerResult(steps, step_ns, stats, pairs, delay, flagged, slow_ranks, slow_links, notes=notes)
+    return StragglerResult(steps, step_ns, stats, pairs, delay, flagged, slow_ranks, slow_links, notes=notes,
+                           explained=explained)
+
+
+def _whole_trace_stragglers(trace: TraceSet, it: Iterations, te: np.ndarray, tc: np.ndarray) -> StragglerResult:
+    """No step could be told apart: compare the ranks call by call over the whole trace."""
+    world = trace.world_size
+    stats = compare_calls(trace, it.roles, compute_gaps(trace, it.roles, te, tc))
+    if not any(s.intervals for s in stats.values()):
+        return StragglerResult([], 0, stats, [], delay_matrix([], world), notes=["no complete step: nothing to compare"])
+    done = tc > 0
+    span = int(tc[done].max() - te[done].min()) if done.any() else 0
+    flagged = judge(stats, span)
+    notes = ["no step could be told apart: ranks doing the same work compared call by call over the whole trace"]
+    flagged, explained = _explain_neighbours(trace, stats, flagged, notes)
+    return StragglerResult([], span, stats, [], delay_matrix([], world), flagged, notes=notes, explained=explained)
 
 
 def _impact(ctx, result: StragglerResult) -> None:
@@ -330,20 +425,44 @@ def _impact(ctx, result: StragglerResult) -> None:
             result.impact_ns[r] = max(0, int(np.median(saved)))
 
 
+def _neighbour_evidence(trace: TraceSet, res: StragglerResult, r: int) -> list[str]:
+    """What a trace without point-to-point records leaves open about ``r``'s pipeline neighbours."""
+    out = [f"rank {q} of its pipeline is slower too, by {res.ranks[q].interval_ratio:.2f}x call by call: presumably "
+           f"its unrecorded receives from rank {r} (this trace has no point-to-point records)"
+           for q, by in res.explained.items() if by == r]
+    layout = trace.layout
+    if layout is not None and layout.pp > 1 and not np.isin(trace.records.op, (Op.SEND, Op.RECV)).any():
+        c = layout.coords(r)
+        same = [q for q in res.stragglers if q != r and (layout.coords(q).dp, layout.coords(q).tp) == (c.dp, c.tp)]
+        if same:
+            who = f"rank {same[0]} of its pipeline is" if len(same) == 1 else f"ranks {rank_list(same)} of its pipeline are"
+            out.append(f"{who} flagged too; without "
+                       "point-to-point records a rank waiting in a receive looks slow, so one of them may only be "
+                       "waiting for the other")
+    return out
+
+
 def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding:
     s = res.ranks[r]
     peers = rank_list(list(s.peers))
     slower = s.interval_ratio - 1.0 if _slow_by_intervals(s) else s.relative  # the finer estimate when it holds
+    per = "in the whole trace" if s.whole_trace else "per step"
     verdict = (f"{rank_label(trace, r)} computes {slower:.0%} slower than the ranks doing the same work "
-               f"({duration(s.excess_ns)} more per step than {peers})")
+               f"({duration(s.excess_ns)} more {per} than {peers})")
     impact = res.impact_ns.get(r)
     if impact:
         verdict += f"; at their speed steps would take {duration(impact)} ({impact / res.step_ns:.0%}) less"
-    evidence: list[str | dict[str, Any]] = [
-        f"compute per step (outside communication calls): rank {r} {duration(s.compute_ns)}, its peers "
-        f"{peers} {duration(s.peer_compute_ns)} (median over steps {res.steps[0]}–{res.steps[-1]})",
-        f"slower than its peers in {s.steps_slower} of {s.steps} steps (spread of the excess: MAD "
-        f"{duration(s.mad_ns)})"]
+    if s.whole_trace:
+        evidence: list[str | dict[str, Any]] = [
+            f"compute (outside communication calls) over the whole trace: rank {r} {duration(s.compute_ns)}, its "
+            f"peers {peers} {duration(s.peer_compute_ns)}; no step could be told apart, so each call was paired "
+            "with the same call of the peers"]
+    else:
+        evidence = [
+            f"compute per step (outside communication calls): rank {r} {duration(s.compute_ns)}, its peers "
+            f"{peers} {duration(s.peer_compute_ns)} (median over steps {res.steps[0]}–{res.steps[-1]})",
+            f"slower than its peers in {s.steps_slower} of {s.steps} steps (spread of the excess: MAD "
+            f"{duration(s.mad_ns)})"]
     if s.intervals:
         evidence.append(f"call by call: {s.interval_ratio:.2f}x its peers' compute before the same call (median), "
                         f"slower in {s.intervals_slower} of {s.intervals} paired compute intervals")
@@ -351,6 +470,7 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
         evidence.append(f"arrived last in {s.last_arrivals} of its {s.collectives} collectives, keeping the other "
                         f"members waiting {duration(s.lag_caused_ns)} in total "
                         f"({duration(s.lag_own_ns)} of it explained by its own compute before the call)")
+    evidence += _neighbour_evidence(trace, res, r)
     return Finding(
         id=f"straggler:rank-{r}", severity=Severity.WARNING, kind=perf_kind("STRAGGLER"),
         subject=rank_subject(trace, r), verdict=verdict, evidence=evidence,
