@@ -89,7 +89,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[TraceSet, int]:
 
 
 def test_inspector_lines_become_the_same_collectives(demo: tuple[TraceSet, int], tmp_path: Path) -> None:
-    trace, slow = demo
+    trace, _ = demo
     written = write_inspector(trace, tmp_path / "insp")
     (tmp_path / "insp" / "layout.yaml").write_text((trace.path / "layout.yaml").read_text())
     assert detect_format(tmp_path / "insp") == "inspector"

@@ -367,7 +367,6 @@ def judge(stats: dict[int, RankStats], step_ns: int) -> list[int]:
 def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray,
                        tc: np.ndarray) -> StragglerResult:
     """Straggler statistics, arrival-lag blame, the delay matrix and slow links over the steady steps."""
-    world = trace.world_size
     if not it.n_steps:
         return _whole_trace_stragglers(trace, it, te, tc)
     stats, steps = compare_peers(trace, it)
