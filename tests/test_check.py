@@ -21,6 +21,7 @@ import pytest
 from megatrace.check.host import judge_allocation, judge_host, read_host, read_ib_ports
 from megatrace.check.network import judge_matrix, round_robin
 from megatrace.check.results import Status
+from megatrace.check.runner import assign_gpus
 
 BIN = Path(sys.executable).parent
 DOUBLE = Path(__file__).parent / "nvml_double" / "fake_nvml.c"
@@ -100,6 +101,19 @@ def test_host_facts_and_an_unusable_job_dir(tmp_path: Path) -> None:
     assert res["node.job_dir"].status == Status.FAIL and "No such file" in res["node.job_dir"].message
 
 
+@pytest.mark.parametrize("visible, expected", [
+    ([["0"], ["1"], ["2"]], [["0"], ["1"], ["2"]]),  # bound one GPU per task: each its own
+    ([["0", "1"], ["1", "2"]], [["0", "1"], ["2"]]),  # a GPU two tasks see: the first of them
+    ([["0", "1"], ["0", "1"]], [None, []]),  # all see the same GPUs: the first task checks every GPU
+    ([None, None], [None, []]),  # CUDA_VISIBLE_DEVICES unset
+    ([["GPU-aa"], ["GPU-bb"]], [["GPU-aa"], ["GPU-bb"]]),  # by UUID
+    ([["MIG-aa"], ["MIG-bb"]], [None, []]),  # MIG instances: the first task checks the GPUs they live on
+    ([["0"], None], [None, []]),
+])
+def test_each_task_checks_the_gpus_it_was_given(visible, expected) -> None:
+    assert assign_gpus(visible) == expected
+
+
 # -- the command, on this node and under mpiexec -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -156,24 +170,36 @@ def test_one_table_for_three_nodes_under_mpiexec(nvml_dir: Path, tmp_path: Path)
         pytest.fail("mpiexec (the mpich wheel) is missing from the environment: make install brings it")
     healthy = _conf(tmp_path / "ok.conf", "gpus=2\n")
     broken = _conf(tmp_path / "bad.conf", "gpus=2\ngpu1.remap_failure=1\n")
-    cmd = [str(BIN / "megatrace-check"), "--level", "full", "--expect-gpus", "2", "--timeout", "90",
+    narrow = _conf(tmp_path / "narrow.conf", "gpus=2\ngpu1.pcie_width=8\n")
+    cmd = [str(BIN / "megatrace-check"), "--level", "full", "--timeout", "90",
            "--json", str(tmp_path / "all.json")]  # only task 0 writes it
     argv = [str(mpiexec)]
-    for i, (tasks, conf) in enumerate([(2, healthy), (1, broken), (1, healthy)]):
-        argv += ([":"] if i else []) + ["-n", str(tasks), "-env", "SLURMD_NODENAME", f"n{i + 1}",
-                                        "-env", "FAKE_NVML_CONFIG", conf] + cmd
+    # n1: two tasks bound to one GPU each (as srun --gpus-per-task sets CUDA_VISIBLE_DEVICES): each checks
+    # its own; n2, n3: one task, told the count, checks both.
+    tasks = [("n1", narrow, ["-env", "CUDA_VISIBLE_DEVICES", "0"]), ("n1", narrow, ["-env", "CUDA_VISIBLE_DEVICES", "1"]),
+             ("n2", broken, ["-env", "SLURM_GPUS_ON_NODE", "2"]), ("n3", healthy, ["-env", "SLURM_GPUS_ON_NODE", "2"])]
+    for i, (name, conf, extra) in enumerate(tasks):
+        argv += ([":"] if i else []) + ["-n", "1", "-env", "SLURMD_NODENAME", name,
+                                        "-env", "FAKE_NVML_CONFIG", conf, *extra] + cmd
     done = subprocess.run(argv, env=_env(nvml_dir, healthy),
                           capture_output=True, text=True, timeout=150)
     assert done.returncode == 4, done.stdout + done.stderr  # every task exits with the allocation's verdict
     lines = done.stdout.splitlines()
     assert lines[0].startswith("FAIL n2 GPU1") and "row remapping failed" in lines[0]
+    assert [line for line in lines if "n1 GPU" in line] == [next(x for x in lines if x.startswith("WARN n1 GPU1"))]
     assert sum(line.startswith("verdict:") for line in lines) == 1  # one table, printed by task 0
     doc = json.loads((tmp_path / "all.json").read_text())
     assert doc["nodes"] == ["n1", "n2", "n3"]
     bw = np.array(doc["matrix"]["bandwidth_gbps"], dtype=float)
     assert bw.shape == (3, 3) and np.isnan(np.diag(bw)).all() and (bw[~np.eye(3, dtype=bool)] > 0).all()
-    probes = {(r["probe"], r["subject"]["node"]) for r in doc["results"]}
-    assert ("net.allreduce", "n1") in probes and {("gpu.count", f"n{i}") for i in (1, 2, 3)} <= probes
+    probes = [(r["probe"], r["subject"]["node"], r["subject"]["gpu"]) for r in doc["results"]]
+    assert ("net.allreduce", "n1", None) in probes
+    for name in ("n1", "n2", "n3"):  # the node's results once, each GPU's once (whichever task checked it)
+        assert probes.count(("gpu.count", name, None)) == 1
+        assert probes.count(("gpu.pcie", name, 0)) == probes.count(("gpu.pcie", name, 1)) == 1
+    count = next(r for r in doc["results"] if r["probe"] == "gpu.count" and r["subject"]["node"] == "n1")
+    assert count["status"] == "ok" and count["threshold"] == 2  # the two tasks' GPUs together
+    assert doc["facts"]["n1"]["gpu_checks"] == {"0": 0, "1": 1} and doc["facts"]["n2"]["gpu_checks"] == {"all": 2}
 
 
 def test_thresholds_files_are_strict_and_calibration_writes_one(tmp_path: Path) -> None:

@@ -126,6 +126,17 @@ def test_no_nvml_is_a_skip_without_gpus_and_a_failure_with(node, monkeypatch: py
     assert fail.status == Status.FAIL
 
 
+def test_a_task_checks_only_the_gpus_it_was_given(node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a task bound to GPUs 2 and 5 (by index, or by UUID) reads and reports; the node's count is not its."""
+    faults = HEALTHY + "gpu5.uuid=GPU-5f00\ngpu5.ecc_dbe=2\ngpu1.ecc_dbe=2\n"
+    for select in (["2", "5"], ["2", "GPU-5f"]):
+        node(faults)  # (writes the config and points the double at it)
+        results = probe_gpus("n7", 8, select=select, node_level=False)
+        assert {r.subject.gpu for r in results} == {2, 5}  # no node results, no GPU1 (another task's)
+        assert {r.subject.gpu for r in results if r.status == Status.FAIL} == {5}
+    assert by_probe(node(faults))["gpu.count"].status == Status.OK  # the node's task still counts all eight
+
+
 def test_a_wedged_driver_fails_within_the_timeout_instead_of_hanging(node) -> None:
     t = time.monotonic()
     (res,) = node(HEALTHY + "gpu2.hang_ms=30000\n", timeout_s=2.0)

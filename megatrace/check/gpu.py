@@ -6,6 +6,10 @@ runs in a child process (``python -m megatrace.check.gpu``) under a hard
 timeout, because a wedged driver can block an NVML call forever and a prolog
 must never hang. :func:`judge_gpus` turns the facts into results against
 :class:`GpuThresholds`; it is pure, so every rule is tested without a GPU.
+
+Under srun each task may check only its own GPUs (``select``: NVML indices or
+UUIDs, as ``CUDA_VISIBLE_DEVICES`` names them); the node's results (driver,
+count) then come from one task only (``node_level``).
 """
 
 from __future__ import annotations
@@ -87,8 +91,19 @@ def read_kernel_xids(timeout_s: float = 5.0) -> list[dict[str, Any]] | dict[str,
     return parse_xids(done.stdout)
 
 
-def read_gpus() -> dict[str, Any]:
-    """Every NVML fact the checks need, as plain data; errors become strings, never exceptions."""
+def selected(index: int, uuid: Any, select: list[str] | None) -> bool:
+    """GPU ``index`` is among ``select`` (NVML indices or UUID prefixes; None: every GPU)."""
+    if select is None:
+        return True
+    return any(t == str(index) or (isinstance(uuid, str) and t.startswith("GPU-") and uuid.startswith(t))
+               for t in select)
+
+
+def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
+    """Every NVML fact the checks need, as plain data; errors become strings, never exceptions.
+
+    Only the GPUs in ``select`` (see :func:`selected`) are read in full; ``count`` is every GPU's.
+    """
     try:
         import pynvml
     except ImportError:
@@ -105,11 +120,15 @@ def read_gpus() -> dict[str, Any]:
         if isinstance(count, dict):
             out["error"] = count["error"]
             return out
+        out["count"] = count
         for i in range(count):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = _call(pynvml.nvmlDeviceGetUUID, h)
+            if not selected(i, uuid, select):
+                continue
             pci = _call(pynvml.nvmlDeviceGetPciInfo_v3, h)
             out["gpus"].append({
-                "index": i, "name": _call(pynvml.nvmlDeviceGetName, h), "uuid": _call(pynvml.nvmlDeviceGetUUID, h),
+                "index": i, "name": _call(pynvml.nvmlDeviceGetName, h), "uuid": uuid,
                 "pci_bus": pci if isinstance(pci, dict) else _text(pci.busId),
                 "temp": _call(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU),
                 "slowdown_temp": _call(pynvml.nvmlDeviceGetTemperatureThreshold, h,
@@ -174,11 +193,15 @@ def _text(value: Any) -> Any:
 
 
 def probe_gpus(node: str, expected: int | None, timeout_s: float = 20.0,
-               thresholds: GpuThresholds = GpuThresholds()) -> list[ProbeResult]:
-    """Read the facts in a child process (killed after ``timeout_s``) and judge them."""
+               thresholds: GpuThresholds = GpuThresholds(), select: list[str] | None = None,
+               node_level: bool = True) -> list[ProbeResult]:
+    """Read the facts in a child process (killed after ``timeout_s``) and judge them.
+
+    ``select``: the GPUs to check (None: all); ``node_level``: also the node's results (driver, count).
+    """
+    argv = [sys.executable, "-m", "megatrace.check.gpu"] + ([] if select is None else ["--select", ",".join(select)])
     try:
-        done = subprocess.run([sys.executable, "-m", "megatrace.check.gpu"], capture_output=True, text=True,
-                              timeout=timeout_s, env=os.environ.copy())
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
     except subprocess.TimeoutExpired:
         return [ProbeResult("gpu.nvml", Status.FAIL, Subject(node),
                             f"NVML did not answer within {timeout_s:g} s (driver wedged?)", value=None,
@@ -189,12 +212,12 @@ def probe_gpus(node: str, expected: int | None, timeout_s: float = 20.0,
     except (ValueError, IndexError):
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         facts = {"error": f"the NVML reader failed (exit {done.returncode}): {tail}"}
-    return judge_gpus(facts, node, expected, thresholds)
+    return judge_gpus(facts, node, expected, thresholds, node_level)
 
 
 def judge_gpus(facts: dict[str, Any], node: str, expected: int | None,
-               thresholds: GpuThresholds = GpuThresholds()) -> list[ProbeResult]:
-    """Results for the node (NVML, count, versions) and for each GPU; see the module docstring."""
+               thresholds: GpuThresholds = GpuThresholds(), node_level: bool = True) -> list[ProbeResult]:
+    """Results for the node (NVML, count, versions; with ``node_level``) and for each GPU read."""
     here = Subject(node)
     if "error" in facts and not facts.get("gpus"):
         missing_lib = NVML_LIBRARY_NOT_FOUND in facts["error"] or "pynvml is not installed" in facts["error"]
@@ -204,15 +227,19 @@ def judge_gpus(facts: dict[str, Any], node: str, expected: int | None,
                             threshold=expected, remediation="Check the NVIDIA driver (nvidia-smi, dmesg); "
                                                             "drain the node until it is fixed.")]
     gpus = facts.get("gpus", [])
-    out = [ProbeResult("gpu.driver", Status.OK, here, f"driver {facts.get('driver')}, CUDA {_cuda(facts.get('cuda'))}",
-                       value={"driver": facts.get("driver"), "cuda": facts.get("cuda")})]
-    if expected is not None and len(gpus) != expected:
-        out.append(ProbeResult("gpu.count", Status.FAIL, here, f"{len(gpus)} GPUs visible, {expected} allocated",
-                               value=len(gpus), threshold=expected,
+    count = facts.get("count", len(gpus))
+    out = []
+    if node_level:
+        out.append(ProbeResult("gpu.driver", Status.OK, here, f"driver {facts.get('driver')}, CUDA "
+                               f"{_cuda(facts.get('cuda'))}", value={"driver": facts.get("driver"),
+                                                                     "cuda": facts.get("cuda")}))
+    if node_level and expected is not None and count != expected:
+        out.append(ProbeResult("gpu.count", Status.FAIL, here, f"{count} GPUs visible, {expected} allocated",
+                               value=count, threshold=expected,
                                remediation="A GPU fell off the bus or is hidden: check `nvidia-smi -L` and "
                                            "the kernel log for XID 79; drain the node."))
-    else:
-        out.append(ProbeResult("gpu.count", Status.OK, here, f"{len(gpus)} GPUs", value=len(gpus), threshold=expected))
+    elif node_level:
+        out.append(ProbeResult("gpu.count", Status.OK, here, f"{count} GPUs", value=count, threshold=expected))
     xids = facts.get("xids")
     for g in gpus:
         out += _judge_one(node, g, thresholds.for_model(g.get("name")))
@@ -357,9 +384,11 @@ def _judge_nvlinks(links: list[dict[str, Any]], t: GpuThresholds, add: Any) -> N
         add("nvlink", Status.OK, f"{len(up)} NVLinks up", len(up), t.nvlinks or None)
 
 
-def main() -> int:
-    """Child entry: print the facts as one JSON line."""
-    print(json.dumps(read_gpus()))
+def main(argv: list[str] | None = None) -> int:
+    """Child entry: print the facts as one JSON line (``--select 0,3``: only those GPUs in full)."""
+    args = sys.argv[1:] if argv is None else argv
+    select = args[1].split(",") if len(args) == 2 and args[0] == "--select" else None
+    print(json.dumps(read_gpus([t for t in select if t] if select is not None else None)))
     return 0
 
 

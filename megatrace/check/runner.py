@@ -1,8 +1,10 @@
 """Run the preflight on one node or, under srun/mpiexec, on the whole allocation, and decide the exit status.
 
-Under MPI every task joins: the first task of each node checks that node and
-its GPUs (NVML sees all of a node's GPUs whatever CUDA_VISIBLE_DEVICES says),
-every task takes part in the all-reduce, the first tasks of the nodes measure
+Under MPI every task joins: the first task of each node checks that node;
+every task checks its own GPUs when Slurm bound the tasks to different GPUs
+(``CUDA_VISIBLE_DEVICES`` differs), else the first task checks them all (NVML
+sees all of a node's GPUs whatever ``CUDA_VISIBLE_DEVICES`` says); every task
+takes part in the all-reduce, the first tasks of the nodes measure
 the node x node matrix (``--level full``), and task 0 gathers everything,
 compares the nodes with each other and prints one table. Every task exits with
 the same status. A watchdog bounds the whole run: a check that hangs (a wedged
@@ -76,17 +78,46 @@ def node_name(given: str | None = None) -> str:
     return given or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def expected_gpus(given: int | None) -> int | None:
-    """``--expect-gpus``, else what Slurm allocated (SLURM_GPUS_ON_NODE), else CUDA_VISIBLE_DEVICES."""
+def expected_gpus(given: int | None, node_visible: list[list[str] | None] | None = None) -> int | None:
+    """``--expect-gpus``, else what Slurm allocated (SLURM_GPUS_ON_NODE), else CUDA_VISIBLE_DEVICES.
+
+    ``node_visible``: every task's CUDA_VISIBLE_DEVICES on this node, when tasks are bound to their own GPUs.
+    """
     if given is not None:
         return given
     on_node = os.environ.get("SLURM_GPUS_ON_NODE", "")
     if on_node.isdigit():
         return int(on_node)
+    if node_visible and all(v is not None for v in node_visible):
+        return len({g for v in node_visible for g in v or []})
+    visible = visible_gpus()
+    return None if visible is None else len(visible)
+
+
+def visible_gpus() -> list[str] | None:
+    """This task's GPUs as ``CUDA_VISIBLE_DEVICES`` names them (indices or UUIDs); None when it says nothing."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible and visible not in ("NoDevFiles", "-1"):
-        return len([v for v in visible.split(",") if v.strip()])
-    return None
+    if not visible or visible in ("NoDevFiles", "-1"):
+        return None
+    return [v.strip() for v in visible.split(",") if v.strip()]
+
+
+def assign_gpus(visible: list[list[str] | None]) -> list[list[str] | None]:
+    """Per task of one node (first task first), the GPUs it checks: None all, [] none.
+
+    Tasks bound to different GPUs check their own (a GPU seen by several, by the first of them);
+    otherwise the first task checks every GPU and the others none.
+    """
+    plain = all(v is not None and all(g.isdigit() or g.startswith("GPU-") for g in v) for v in visible)
+    if not plain or all(v == visible[0] for v in visible):  # (MIG instances: the first task checks the GPUs)
+        return [None] + [[] for _ in visible[1:]]
+    taken: set[str] = set()
+    out: list[list[str] | None] = []
+    for v in visible:
+        mine = [g for g in v or [] if g not in taken]
+        taken.update(mine)
+        out.append(mine)
+    return out
 
 
 def _wanted(name: str, only: tuple[str, ...]) -> bool:
@@ -99,17 +130,28 @@ def _family(family: str, only: tuple[str, ...]) -> bool:
     return not only or any(o.split(".")[0] == family for o in only)
 
 
-def check_this_node(opts: CheckOptions, node: str) -> tuple[list[ProbeResult], dict[str, Any]]:
-    """The node's own checks: GPUs (in a child under a timeout) and the host."""
-    results: list[ProbeResult] = []
+def check_gpus(opts: CheckOptions, node: str, select: list[str] | None = None, node_level: bool = True,
+               expected: int | None = None) -> list[ProbeResult]:
+    """GPU checks (in a child under a timeout): ``select`` as :func:`megatrace.check.gpu.probe_gpus` takes it.
+
+    ``expected``: the GPUs the node should have (None: :func:`expected_gpus`).
+    """
+    if not _family("gpu", opts.only):
+        return []
+    expected = expected_gpus(opts.expect_gpus) if expected is None else expected
+    results = probe_gpus(node, expected, timeout_s=min(opts.timeout_s / 2, 30.0),
+                         thresholds=opts.thresholds.gpu, select=select, node_level=node_level)
+    if node_level and opts.level == "full":  # NVIDIA DCGM's level-1 diagnostic, where dcgmi is installed
+        results += probe_dcgm(node, timeout_s=max(10.0, opts.timeout_s / 2))
+    return [r for r in results if _wanted(r.probe, opts.only)]
+
+
+def check_this_node(opts: CheckOptions, node: str, gpus: bool = True) -> tuple[list[ProbeResult], dict[str, Any]]:
+    """The node's own checks: the host, and (``gpus``) every GPU."""
     facts = read_host(opts.job_dir, opts.ring_dir, node)
-    if _family("gpu", opts.only):
-        results += probe_gpus(node, expected_gpus(opts.expect_gpus), timeout_s=min(opts.timeout_s / 2, 30.0),
-                              thresholds=opts.thresholds.gpu)
-        if opts.level == "full":  # NVIDIA DCGM's level-1 diagnostic, where dcgmi is installed
-            results += probe_dcgm(node, timeout_s=max(10.0, opts.timeout_s / 2))
-    results += judge_host(facts, node, opts.thresholds.node)
-    return [r for r in results if _wanted(r.probe, opts.only)], facts
+    results = check_gpus(opts, node) if gpus else []
+    results += [r for r in judge_host(facts, node, opts.thresholds.node) if _wanted(r.probe, opts.only)]
+    return results, facts
 
 
 def _mpi_world() -> Any | None:
@@ -144,10 +186,18 @@ def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport
     nodes = sorted(set(names))
     node_comm = comm.Split(nodes.index(node), comm.Get_rank())
     leader = node_comm.Get_rank() == 0
+    visible = node_comm.allgather(visible_gpus())
+    mine = assign_gpus(visible)
+    checkers = node_comm.allgather(comm.Get_rank())
     results: list[ProbeResult] = []
     facts: dict[str, Any] = {}
     if leader:
-        results, facts = check_this_node(opts, node)
+        results, facts = check_this_node(opts, node, gpus=False)
+        facts["gpu_checks"] = {"all": checkers[0]} if mine[0] is None else \
+            {g: checkers[i] for i, gs in enumerate(mine) for g in gs or []}
+    if leader or mine[node_comm.Get_rank()]:  # each task its own GPUs, in parallel; the first also the node's
+        results = check_gpus(opts, node, mine[node_comm.Get_rank()], leader,
+                             expected_gpus(opts.expect_gpus, visible)) + results
     comm.Barrier()
     if leader:
         facts["wall_ns"] = time.time_ns()  # read right after a barrier: comparable across nodes
