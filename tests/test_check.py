@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatrace.check.host import judge_allocation, judge_host, read_host, read_ib_ports
+from megatrace.check.host import HostThresholds, judge_allocation, judge_host, read_host, read_ib_ports
 from megatrace.check.network import judge_matrix, round_robin
 from megatrace.check.results import Status
 from megatrace.check.runner import assign_gpus
@@ -87,11 +87,33 @@ def test_infiniband_ports_from_sysfs(tmp_path: Path) -> None:
     port("mlx5_0", 1, "4: ACTIVE", symbol_error=0, link_downed=0)
     port("mlx5_1", 1, "1: DOWN")
     port("mlx5_2", 1, "4: ACTIVE", link_downed=3)
+    port("mlx5_3", 1, "4: ACTIVE")
+    (tmp_path / "mlx5_3" / "ports" / "1" / "rate").write_text("200 Gb/sec (4X HDR)\n")
+    for dev in ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"):
+        (tmp_path / dev / "hca_type").write_text("MT4129\n")
     facts = {"ib_ports": read_ib_ports(tmp_path)}
     res = {r.message.split()[1]: r for r in judge_host(facts, "n1")}
     assert res["mlx5_0/1"].status == Status.OK
     assert res["mlx5_1/1"].status == Status.FAIL and "DOWN" in res["mlx5_1/1"].message
     assert res["mlx5_2/1"].status == Status.WARN and "link_downed 3" in res["mlx5_2/1"].message
+    assert res["mlx5_3/1"].status == Status.OK  # no limit for the model: 200 Gb/s may be what it is
+    limits = HostThresholds(nics=(("mt41*", 400.0),))  # a site's `nics: {"mt41*": {rate_gbps: 400}}`
+    res = {r.message.split()[1]: r for r in judge_host(facts, "n1", limits)}
+    assert res["mlx5_3/1"].status == Status.WARN and res["mlx5_3/1"].value == 200.0
+    assert "runs at 200 Gb/s; its model (MT4129, thresholds nics 'mt41*') runs at 400" in res["mlx5_3/1"].message
+    assert res["mlx5_0/1"].status == Status.OK
+
+
+def test_a_port_slower_than_its_models_ports_elsewhere_is_named() -> None:
+    def node(rate: int, state: str = "4: ACTIVE") -> dict:
+        return {"ib_ports": [{"device": "mlx5_0", "port": "1", "state": state, "rate": f"{rate} Gb/sec (4X)",
+                              "link_layer": "InfiniBand", "hca_type": "MT4129"},
+                             {"device": "mlx5_1", "port": "1", "state": "4: ACTIVE", "rate": "400 Gb/sec (4X NDR)",
+                              "link_layer": "InfiniBand", "hca_type": "MT4129"}]}
+    hosts = {"n1": node(400), "n2": node(200), "n3": node(400), "n4": node(100, "1: DOWN")}
+    res = [r for r in judge_allocation(hosts) if r.probe == "node.ib_rate"]
+    assert [(r.subject.node, r.status) for r in res] == [("n2", Status.WARN)]  # (n4's port is down: judge_host)
+    assert res[0].message == "port mlx5_0/1 runs at 200 Gb/s, the allocation's MT4129 InfiniBand ports at 400 (median)"
 
 
 def test_host_facts_and_an_unusable_job_dir(tmp_path: Path) -> None:
@@ -202,6 +224,20 @@ def test_one_table_for_three_nodes_under_mpiexec(nvml_dir: Path, tmp_path: Path)
     assert doc["facts"]["n1"]["gpu_checks"] == {"0": 0, "1": 1} and doc["facts"]["n2"]["gpu_checks"] == {"all": 2}
 
 
+@pytest.mark.parametrize("backend, via", [("torch", "gloo (torch.distributed)"), ("auto", "MPI")])
+def test_the_all_reduce_through_torch_distributed(nvml_dir: Path, tmp_path: Path, backend: str, via: str) -> None:
+    """On GPU nodes the all-reduce goes through NCCL; its CPU twin here is torch.distributed over gloo."""
+    pytest.importorskip("torch")
+    argv = [str(BIN / "mpiexec"), "-n", "3", str(BIN / "megatrace-check"), "--only", "net", "--net-backend", backend,
+            "--json", str(tmp_path / "net.json"), "--timeout", "90"]
+    done = subprocess.run(argv, env=_env(nvml_dir, _conf(tmp_path / "c", "gpus=0\n")), capture_output=True,
+                          text=True, timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (res,) = [r for r in json.loads((tmp_path / "net.json").read_text())["results"] if r["probe"] == "net.allreduce"]
+    assert res["message"].startswith(f"all-reduce over 3 ranks through {via}: bus bandwidth ")
+    assert res["value"] > 0
+
+
 def test_thresholds_files_are_strict_and_calibration_writes_one(tmp_path: Path) -> None:
     from megatrace.check.thresholds import ThresholdsError, calibrated, load_thresholds, save_thresholds
 
@@ -211,14 +247,21 @@ def test_thresholds_files_are_strict_and_calibration_writes_one(tmp_path: Path) 
     for text, words in [("gpu: {ecc_dbe_fial: 2}\n", "gpu.ecc_dbe_fial: unknown limit"),
                         ("net: {slow_ratio: fast}\n", "net.slow_ratio: expected a float"),
                         ("gpu: {ecc_dbe_fail: 1.5}\n", "gpu.ecc_dbe_fail: expected a int"),
-                        ("disk: {}\n", "unknown section 'disk'"), ("gpu: [1\n", "not valid YAML")]:
+                        ("disk: {}\n", "unknown section 'disk'"), ("gpu: [1\n", "not valid YAML"),
+                        ("nics: {MT4129: {rate: 400}}\n", r"nics.MT4129: expected \{rate_gbps: N\}"),
+                        ("nics: {MT4129: {rate_gbps: -1}}\n", "nics.MT4129.rate_gbps: expected a positive"),
+                        ("node: {nics: 1}\n", "node.nics: unknown limit")]:
         bad.write_text(text)
         with pytest.raises(ThresholdsError, match=words) as info:
             load_thresholds(bad)
         assert str(bad) in str(info.value)
+    bad.write_text('nics: {"MT4129": {rate_gbps: 400}}\n')
+    site = load_thresholds(bad)
+    assert site.node.nics == (("MT4129", 400.0),)
     out = tmp_path / "cal.yaml"
-    save_thresholds(calibrated(load_thresholds(None), 12.5), out)
+    save_thresholds(calibrated(site, 12.5), out)
     assert load_thresholds(out).net.min_busbw_gbps == 10.0
+    assert load_thresholds(out).node.nics == site.node.nics  # calibration keeps the site's NIC models
 
 
 def test_a_bad_thresholds_file_is_one_error_line(tmp_path: Path) -> None:

@@ -30,8 +30,10 @@ Probes: gpu.{nvml,count,driver,temperature,clocks,ecc,remap,power,pcie,memory,mi
 node.{injected,tracer,shm,job_dir,ring_dir,ib,cpus,mem_bytes,kernel,versions,clock},
 net.{allreduce,node,link,matrix,pair}. A root-owned /etc/megatrace/fail-preflight-NODE fails
 node.injected with its text (drills and tests; MEGATRACE_SITE_DIR moves /etc/megatrace).
-Under srun/mpiexec the first task of each node checks the node and its GPUs, every task joins
-the all-reduce, --level full adds the node x node bandwidth matrix, and task 0 prints one table.
+Under srun/mpiexec the first task of each node checks the node; each task checks the GPUs it is
+bound to (CUDA_VISIBLE_DEVICES), or the first task all of them; every task joins the all-reduce
+(NCCL where every task has a GPU, else MPI); --level full adds the node x node bandwidth matrix
+over MPI; task 0 prints one table.
 """)
 @click.version_option(__version__, prog_name="megatrace-check")
 @click.option("--level", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
@@ -51,6 +53,9 @@ the all-reduce, --level full adds the node x node bandwidth matrix, and task 0 p
 @click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=120.0, show_default=True,
               help="Seconds before a hung check counts as a failure and the command exits 4.")
 @click.option("--node", default=None, help="The node's name in the results [default: SLURMD_NODENAME or hostname].")
+@click.option("--net-backend", type=click.Choice(["auto", "mpi", "torch"]), default="auto", show_default=True,
+              help="The all-reduce's path. auto: NCCL through torch.distributed where every task has a GPU, else "
+                   "MPI; torch: torch.distributed (NCCL on GPUs, gloo without); mpi: MPI only.")
 @click.option("--thresholds", "thresholds_path", type=click.Path(dir_okay=False), envvar="MEGATRACE_THRESHOLDS",
               default=None, help="The site's limits (YAML; see configs/thresholds.yaml) [env MEGATRACE_THRESHOLDS].")
 @click.option("--calibrate", "calibrate_path", type=click.Path(dir_okay=False), default=None,
@@ -58,7 +63,7 @@ the all-reduce, --level full adds the node x node bandwidth matrix, and task 0 p
 @click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line.")
 def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_dir: str | None, ring_dir: str | None,
                json_path: str | None, prom_textfile: str | None, timeout_s: float, node: str | None,
-               thresholds_path: str | None, calibrate_path: str | None, quiet: bool) -> None:
+               net_backend: str, thresholds_path: str | None, calibrate_path: str | None, quiet: bool) -> None:
     """Preflight health checks of GPUs, nodes and the network before a job runs.
 
     GPUs through NVML (count against the allocation, XID-prone states: ECC, row
@@ -77,8 +82,7 @@ def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_d
     except ThresholdsError as exc:
         raise click.ClickException(str(exc)) from None
     opts = CheckOptions(level=level, only=only, expect_gpus=expect_gpus, job_dir=job_dir, ring_dir=ring_dir,
-                        timeout_s=timeout_s,
-                        node=node, thresholds=limits)
+                        timeout_s=timeout_s, node=node, net_backend=net_backend, thresholds=limits)
     try:
         with Watchdog(timeout_s, node_name(node)):
             report = run(opts)

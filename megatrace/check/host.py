@@ -12,8 +12,10 @@ rest slows or breaks the whole job).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import platform
+import re
 import shutil
 import stat
 import statistics
@@ -38,6 +40,26 @@ class HostThresholds:
     mem_ratio_warn: float = 0.75
     clock_offset_warn_ms: float = 50.0  # wall clocks this far from the allocation's median
     clock_offset_fail_ms: float = 1000.0
+    nic_rate_ratio_warn: float = 0.75  # a port slower than this share of the same model's ports elsewhere
+    nics: tuple[tuple[str, float], ...] = ()  # (HCA type or board id pattern, Gb/s its ports must run at)
+
+    def nic_rate(self, port: dict[str, Any]) -> tuple[str, float] | None:
+        """(pattern, Gb/s) of the first ``nics`` entry matching the port's HCA type or board id."""
+        for pattern, rate in self.nics:
+            for key in ("hca_type", "board_id"):
+                value = port.get(key)
+                if isinstance(value, str) and fnmatch.fnmatch(value.lower(), pattern.lower()):
+                    return pattern, rate
+        return None
+
+
+RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec")  # sysfs ``rate``: "400 Gb/sec (4X NDR)"
+
+
+def port_rate_gbps(port: dict[str, Any]) -> float | None:
+    """The port's link rate in Gb/s, from its sysfs ``rate`` line (None when unreadable)."""
+    m = RATE.match(port.get("rate") or "")
+    return float(m.group(1)) if m else None
 
 
 def read_host(job_dir: str | None = None, ring_dir: str | None = None, node: str | None = None,
@@ -117,7 +139,8 @@ def read_ib_ports(root: Path = IB_ROOT) -> list[dict[str, Any]]:
         for port in sorted((dev / "ports").glob("*")):
             entry: dict[str, Any] = {"device": dev.name, "port": port.name,
                                      "state": _read(port / "state"), "rate": _read(port / "rate"),
-                                     "link_layer": _read(port / "link_layer")}
+                                     "link_layer": _read(port / "link_layer"), "hca_type": _read(dev / "hca_type"),
+                                     "board_id": _read(dev / "board_id"), "fw_ver": _read(dev / "fw_ver")}
             counters = {}
             for name in ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors",
                          "local_link_integrity_errors", "excessive_buffer_overrun_errors"):
@@ -197,13 +220,43 @@ def judge_host(facts: dict[str, Any], node: str, t: HostThresholds = HostThresho
             res.append(ProbeResult("node.ib", Status.WARN, subj, f"port {where} ({p.get('rate')}) has errors: "
                                    + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())), errors,
                                    remediation="A flapping or noisy link slows collectives: check the cable."))
+        elif (model := t.nic_rate(p)) and (rate := port_rate_gbps(p)) is not None and rate < model[1]:
+            res.append(ProbeResult("node.ib", Status.WARN, subj, f"port {where} runs at {rate:g} Gb/s; its model "
+                                   f"({p.get('hca_type') or p.get('board_id')}, thresholds nics {model[0]!r}) "
+                                   f"runs at {model[1]:g}", rate, model[1],
+                                   "A port that trained to a lower rate halves what collectives get through "
+                                   "it: check the cable, the transceiver and the switch port."))
         else:
             res.append(ProbeResult("node.ib", Status.OK, subj, f"port {where} ACTIVE, {p.get('rate')}", state))
     return res
 
 
+def _slow_ports(hosts: dict[str, dict[str, Any]], t: HostThresholds) -> list[ProbeResult]:
+    """Active ports slower than the same model's ports elsewhere in the allocation (the median of all nodes)."""
+    rates: dict[str, list[tuple[str, str, float]]] = {}
+    for node, f in hosts.items():
+        for p in f.get("ib_ports") or []:
+            rate = port_rate_gbps(p)
+            if rate is not None and "ACTIVE" in (p.get("state") or ""):
+                model = f"{p.get('hca_type') or p.get('board_id') or '?'} {p.get('link_layer') or ''}".strip()
+                rates.setdefault(model, []).append((node, f"{p['device']}/{p['port']}", rate))
+    res = []
+    for model, ports in sorted(rates.items()):
+        if len({n for n, _, _ in ports}) < 2:
+            continue
+        med = statistics.median(r for _, _, r in ports)
+        for node, where, rate in ports:
+            if rate < t.nic_rate_ratio_warn * med:
+                res.append(ProbeResult("node.ib_rate", Status.WARN, Subject(node),
+                                       f"port {where} runs at {rate:g} Gb/s, the allocation's {model} ports at "
+                                       f"{med:g} (median)", rate, med,
+                                       "A port that trained to a lower rate slows every collective crossing this "
+                                       "node: check the cable, the transceiver and the switch port."))
+    return res
+
+
 def judge_allocation(hosts: dict[str, dict[str, Any]], t: HostThresholds = HostThresholds()) -> list[ProbeResult]:
-    """Compare the nodes with each other: CPUs, memory, kernel and library versions, wall clocks."""
+    """Compare the nodes with each other: CPUs, memory, kernel and library versions, port rates, wall clocks."""
     res: list[ProbeResult] = []
     if len(hosts) < 2:
         return res
@@ -233,6 +286,7 @@ def judge_allocation(hosts: dict[str, dict[str, Any]], t: HostThresholds = HostT
                                            f"{hosts[node].get(key)} vs {hosts[majority[0]].get(key)}",
                                            hosts[node].get(key), hosts[majority[0]].get(key),
                                            "Mixed software versions break or slow collectives: align the image."))
+    res += _slow_ports(hosts, t)
     walls = {n: f["wall_ns"] for n, f in hosts.items() if isinstance(f.get("wall_ns"), int)}
     if len(walls) >= 2:
         med = statistics.median(walls.values())

@@ -1,14 +1,17 @@
-"""Network checks over MPI (mpi4py): all-reduce bus bandwidth and a node x node bandwidth/latency matrix.
+"""Network checks: all-reduce bus bandwidth and a node x node bandwidth/latency matrix.
 
-On GPU nodes the same measurements run through NCCL when torch is there; over
-MPI they measure the host network path, which is what a CPU-only allocation
-(and this project's CI) has. :func:`judge_matrix` reads the matrix the way a
+The all-reduce runs through NCCL (torch.distributed, one GPU per task) when
+every task has torch and a GPU: the path training takes. Otherwise it runs over
+MPI (mpi4py), the host network path a CPU-only allocation (and this project's
+CI) has; ``--net-backend torch`` forces torch.distributed (gloo without GPUs).
+The matrix always goes over MPI among the first tasks of the nodes. :func:`judge_matrix` reads the matrix the way a
 delay matrix is read: a node whose whole row is slow is a bad node, a single
 slow cell between good nodes is a bad link.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,97 @@ def allreduce_busbw(comm: Any, nbytes: int, iters: int = 5) -> float:
     elapsed = comm.allreduce(time.perf_counter() - t, op=MPI.MAX) / iters
     algbw = buf.nbytes / elapsed / 1e9
     return algbw * 2 * (n - 1) / n if n > 1 else algbw
+
+
+BACKENDS = ("auto", "mpi", "torch")
+
+
+def choose_backend(comm: Any, wanted: str) -> str:
+    """``"nccl"``, ``"gloo"`` or ``"mpi"``: the same on every task (every task must call it)."""
+    if wanted == "mpi":
+        return "mpi"
+    if wanted == "auto" and not comm.allreduce(int(_gpu_hint()), op=_max()):
+        return "mpi"  # no task has a GPU device: do not pay torch's import
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch_ok = dist.is_available()
+        gpu = torch_ok and torch.cuda.is_available() and dist.is_nccl_available()
+    except Exception:  # noqa: BLE001  (a broken torch install: fall back to MPI, or fail below when forced)
+        torch_ok = gpu = False
+    everywhere_torch = comm.allreduce(int(torch_ok), op=_min()) == 1
+    everywhere_gpu = comm.allreduce(int(gpu), op=_min()) == 1
+    if wanted == "torch":
+        if not everywhere_torch:
+            raise RuntimeError("--net-backend torch: torch.distributed is missing on some task")
+        return "nccl" if everywhere_gpu else "gloo"
+    return "nccl" if everywhere_gpu else "mpi"
+
+
+def _gpu_hint() -> bool:
+    """This task may have a GPU: an NVIDIA device node exists and CUDA_VISIBLE_DEVICES does not hide them all."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1", "NoDevFiles")
+    return os.path.exists("/dev/nvidia0") and not hidden
+
+
+def _min() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MIN
+
+
+def torch_allreduce_busbw(comm: Any, nbytes: int, backend: str, local_rank: int, timeout_s: float,
+                          iters: int = 5) -> float:
+    """Bus bandwidth (GB/s) of a torch.distributed all-reduce of ``nbytes`` (``backend``: nccl or gloo).
+
+    The rendezvous address comes from task 0 over MPI (its host and a free port); NCCL runs on GPU
+    ``local_rank`` modulo the GPUs this task sees. The process group is destroyed before returning.
+    """
+    import datetime
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    addr = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:  # a free port (a tiny race with other processes; the store retries nothing)
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = os.environ.get("MEGATRACE_CHECK_ADDR") or socket.gethostname()
+        addr = f"tcp://{host}:{port}"
+    addr = comm.bcast(addr, root=0)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=addr, rank=comm.Get_rank(), world_size=comm.Get_size(),
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+        dist.all_reduce(buf)  # warm-up: connection setup
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(buf)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        mine = time.perf_counter() - t
+    finally:
+        dist.destroy_process_group()
+    elapsed = comm.allreduce(mine, op=_max()) / iters
+    n = comm.Get_size()
+    algbw = buf.numel() * 4 / elapsed / 1e9
+    return algbw * 2 * (n - 1) / n if n > 1 else algbw
+
+
+def _max() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 def round_robin(n: int) -> list[list[tuple[int, int]]]:
@@ -130,8 +224,12 @@ def judge_matrix(nodes: list[str], bw: np.ndarray, t: NetThresholds = NetThresho
     return res
 
 
-def judge_busbw(busbw: float, node: str, nranks: int, t: NetThresholds = NetThresholds()) -> ProbeResult:
+VIA = {"mpi": "MPI", "nccl": "NCCL (torch.distributed)", "gloo": "gloo (torch.distributed)"}
+
+
+def judge_busbw(busbw: float, node: str, nranks: int, t: NetThresholds = NetThresholds(),
+                backend: str = "mpi") -> ProbeResult:
     status = Status.FAIL if busbw < t.min_busbw_gbps else Status.OK
-    return ProbeResult("net.allreduce", status, Subject(node), f"all-reduce over {nranks} ranks: "
-                       f"bus bandwidth {busbw:.2f} GB/s", round(busbw, 3), t.min_busbw_gbps,
+    return ProbeResult("net.allreduce", status, Subject(node), f"all-reduce over {nranks} ranks through "
+                       f"{VIA.get(backend, backend)}: bus bandwidth {busbw:.2f} GB/s", round(busbw, 3), t.min_busbw_gbps,
                        "" if status == Status.OK else "Below the site's floor: run nccl-tests and check the fabric.")

@@ -44,6 +44,7 @@ class CheckOptions:
     ring_dir: str | None = None  # the node-local ring directory (its free space)
     timeout_s: float = 60.0
     node: str | None = None
+    net_backend: str = "auto"  # auto: NCCL through torch where every task has a GPU, else MPI; mpi; torch
     thresholds: Thresholds = field(default_factory=Thresholds)
 
 
@@ -180,7 +181,8 @@ def run(opts: CheckOptions) -> CheckReport:
 
 
 def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport:
-    from megatrace.check.network import allreduce_busbw, judge_busbw, judge_matrix, pair_matrix
+    from megatrace.check.network import (allreduce_busbw, choose_backend, judge_busbw, judge_matrix, pair_matrix,
+                                         torch_allreduce_busbw)
 
     names = comm.allgather(node)
     nodes = sorted(set(names))
@@ -203,9 +205,14 @@ def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport
         facts["wall_ns"] = time.time_ns()  # read right after a barrier: comparable across nodes
     matrix = None
     if _family("net", opts.only):
-        busbw = allreduce_busbw(comm, FULL_BYTES if opts.level == "full" else QUICK_BYTES)
+        nbytes = FULL_BYTES if opts.level == "full" else QUICK_BYTES
+        backend = choose_backend(comm, opts.net_backend)
+        if backend == "mpi":
+            busbw = allreduce_busbw(comm, nbytes)
+        else:
+            busbw = torch_allreduce_busbw(comm, nbytes, backend, node_comm.Get_rank(), opts.timeout_s)
         if comm.Get_rank() == 0:
-            results.append(judge_busbw(busbw, node, comm.Get_size(), opts.thresholds.net))
+            results.append(judge_busbw(busbw, node, comm.Get_size(), opts.thresholds.net, backend))
         leaders = comm.Split(0 if leader else 1, nodes.index(node))
         if leader and opts.level == "full" and leaders.Get_size() > 1:
             bw, lat = pair_matrix(leaders, PAIR_BYTES)

@@ -8,6 +8,8 @@ file and the field, as a typo must not silently keep a default)::
     net:  {slow_ratio: 0.5, min_busbw_gbps: 40.0}
     models:                       # per GPU model (fnmatch on the NVML name, first match wins)
       "*H100*SXM*": {gpu: {nvlinks: 18}}
+    nics:                         # per NIC model (fnmatch on sysfs hca_type or board_id, first match wins)
+      "MT4129": {rate_gbps: 400}  # every ConnectX-7 port of this fabric must train to NDR
 
 ``megatrace-check --calibrate FILE`` runs the checks on an allocation known to be healthy and writes
 such a file with ``net.min_busbw_gbps`` set to a share of the bus bandwidth it measured.
@@ -49,10 +51,13 @@ class Thresholds:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in ("gpu", "node", "net")}
         out["gpu"].pop("models", None)
+        out["node"].pop("nics", None)
         if self.gpu.models:
             out["models"] = {pattern: {"gpu": {k: v for k, v in dataclasses.asdict(limits).items()
                                                if k != "models" and v != out["gpu"][k]}}
                              for pattern, limits in self.gpu.models}
+        if self.node.nics:
+            out["nics"] = {pattern: {"rate_gbps": rate} for pattern, rate in self.node.nics}
         return out
 
 
@@ -62,14 +67,14 @@ def load_thresholds(path: str | Path | None) -> Thresholds:
         return Thresholds()
     data = read_yaml(path, ThresholdsError, "thresholds") or {}
     if not isinstance(data, dict):
-        raise ThresholdsError(f"{path}: expected a mapping with sections gpu, node, net, models")
+        raise ThresholdsError(f"{path}: expected a mapping with sections gpu, node, net, models, nics")
     defaults = Thresholds()
     parts = {}
     for section, value in data.items():
-        if section == "models":
+        if section in ("models", "nics"):
             continue
         if section not in ("gpu", "node", "net"):
-            raise ThresholdsError(f"{path}: unknown section {section!r} (one of gpu, node, net, models)")
+            raise ThresholdsError(f"{path}: unknown section {section!r} (one of gpu, node, net, models, nics)")
         parts[section] = _section(path, section, getattr(defaults, section), value)
     out = dataclasses.replace(defaults, **parts)
     if "models" in data:
@@ -83,14 +88,33 @@ def load_thresholds(path: str | Path | None) -> Thresholds:
                 raise ThresholdsError(f"{path}: {where}: expected {{gpu: {{...}}}} (per-model GPU limits)")
             entries.append((str(pattern), _section(path, f"{where}.gpu", plain, limits.get("gpu") or {})))
         out = dataclasses.replace(out, gpu=dataclasses.replace(out.gpu, models=tuple(entries)))
+    if "nics" in data:
+        out = dataclasses.replace(out, node=dataclasses.replace(out.node, nics=_nics(path, data["nics"])))
     return out
+
+
+def _nics(path: str | Path, nics: Any) -> tuple[tuple[str, float], ...]:
+    """The ``nics`` section: HCA type (or board id) pattern -> {rate_gbps: N}."""
+    if not isinstance(nics, dict):
+        raise ThresholdsError(f"{path}: nics: expected a mapping of NIC model patterns (sysfs hca_type or board_id) "
+                              "to {rate_gbps: N}")
+    out = []
+    for pattern, limits in nics.items():
+        where = f"nics.{pattern}"
+        if not isinstance(limits, dict) or set(limits) != {"rate_gbps"}:
+            raise ThresholdsError(f"{path}: {where}: expected {{rate_gbps: N}} (the Gb/s its ports must run at)")
+        rate = limits["rate_gbps"]
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+            raise ThresholdsError(f"{path}: {where}.rate_gbps: expected a positive number, got {rate!r}")
+        out.append((str(pattern), float(rate)))
+    return tuple(out)
 
 
 def _section(path: str | Path, where: str, base: Any, value: Any) -> Any:
     """``base`` (a limits dataclass) with the numbers of ``value`` (checked: known keys, types, signs)."""
     if not isinstance(value, dict):
         raise ThresholdsError(f"{path}: {where}: expected a mapping of limits")
-    known = {f.name: f for f in dataclasses.fields(base) if f.name != "models"}
+    known = {f.name: f for f in dataclasses.fields(base) if f.name not in ("models", "nics")}
     for key, v in value.items():
         if key not in known:
             raise ThresholdsError(f"{path}: {where}.{key}: unknown limit (known: {', '.join(known)})")
