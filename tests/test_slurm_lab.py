@@ -233,6 +233,28 @@ def test_a_failed_preflight_drains_the_node_and_the_job_runs_on_the_others(lab, 
     assert "drain" not in node_state("n2")[0]
 
 
+def test_srun_n4_megatrace_check_prints_one_table_and_names_the_slow_node(lab, tmp_path):
+    """The whole allocation checked at once; n3 made slow in the network test by a root-owned site file."""
+    slow = FAIL_FILE.with_name("slow-net-n3")
+    slow.write_text("50\n")  # ms before each message n3 sends
+    os.chmod(slow, 0o644)
+    try:
+        done = _run(["srun", "-N4", "--ntasks-per-node=1", "--mpi=pmi2", "--chdir", str(tmp_path),
+                     str(Path(sys.executable).parent / "megatrace-check"), "--level", "full", "--only", "net",
+                     "--json", str(tmp_path / "check.json"), "--timeout", "120"], timeout=180)
+    finally:
+        slow.unlink(missing_ok=True)
+    assert done.returncode == 4, done.stdout + done.stderr  # exit 4: a failure (docs/check.md)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("FAIL n3") and "net.node" in lines[0], done.stdout
+    assert sum(line.startswith("verdict: fail (4 node(s)") for line in lines) == 1, done.stdout
+    doc = json.loads((tmp_path / "check.json").read_text())
+    assert doc["nodes"] == ["n1", "n2", "n3", "n4"] and doc["exit_code"] == 4
+    rows = [sorted(v for v in row if v is not None)[1] for row in doc["matrix"]["bandwidth_gbps"]]  # row medians
+    assert min(rows) == rows[2] and rows[2] < 0.5 * sorted(rows)[2], rows
+    assert [r["subject"]["node"] for r in doc["results"] if r["status"] == "fail"] == ["n3"]
+
+
 def webhook_receiver():
     """A loopback HTTP server that keeps every JSON alert POSTed to it: (server, the alerts so far)."""
     from http.server import BaseHTTPRequestHandler, HTTPServer

@@ -107,10 +107,11 @@ def _root_owned(path: Path) -> bool:
     return True
 
 
-def read_injected(node: str, site_dir: Path | None = None) -> dict[str, str] | None:
-    """The site's injected failure for ``node``: {"text", "path"}, {"ignored", "path"} when others could have
-    written it, or None."""
-    path = (site_dir or Path(os.environ.get("MEGATRACE_SITE_DIR") or SITE_DIR)) / f"fail-preflight-{node}"
+def read_injected(node: str, site_dir: Path | None = None, kind: str = "fail-preflight") -> dict[str, str] | None:
+    """The site's injected fault ``<kind>-<node>``: {"text", "path"}, {"ignored", "path"} when others could have
+    written it, or None. Kinds: ``fail-preflight`` (node.injected fails with the text), ``slow-net`` (see
+    :func:`read_net_delay`)."""
+    path = (site_dir or Path(os.environ.get("MEGATRACE_SITE_DIR") or SITE_DIR)) / f"{kind}-{node}"
     try:
         if not path.exists():
             return None
@@ -120,6 +121,16 @@ def read_injected(node: str, site_dir: Path | None = None) -> dict[str, str] | N
     except OSError as exc:
         return {"ignored": f"unreadable: {exc.strerror}", "path": str(path)}
     return {"text": text, "path": str(path)}
+
+
+def read_net_delay(node: str, site_dir: Path | None = None) -> float:
+    """Seconds this node's network test waits before each message it sends: a root-owned ``slow-net-<node>``
+    holding milliseconds makes the node slow in the network test (drills and tests); 0 without one."""
+    got = read_injected(node, site_dir, "slow-net")
+    try:
+        return max(0.0, min(float(got["text"]), 10_000.0)) / 1000.0 if got and "text" in got else 0.0
+    except ValueError:
+        return 0.0
 
 
 def _tracer_import_error() -> str | None:

@@ -27,8 +27,11 @@ class NetThresholds:
     min_busbw_gbps: float = 0.0  # an absolute floor for the all-reduce (per site, configs/thresholds.yaml)
 
 
-def allreduce_busbw(comm: Any, nbytes: int, iters: int = 5) -> float:
-    """Bus bandwidth (GB/s) of an all-reduce of ``nbytes`` over ``comm``, as nccl-tests defines it."""
+def allreduce_busbw(comm: Any, nbytes: int, iters: int = 5, delay_s: float = 0.0) -> float:
+    """Bus bandwidth (GB/s) of an all-reduce of ``nbytes`` over ``comm``, as nccl-tests defines it.
+
+    ``delay_s``: an injected wait before each call on this task (a slow node, for drills and tests).
+    """
     from mpi4py import MPI
 
     n = comm.Get_size()
@@ -38,6 +41,7 @@ def allreduce_busbw(comm: Any, nbytes: int, iters: int = 5) -> float:
     comm.Barrier()
     t = time.perf_counter()
     for _ in range(iters):
+        time.sleep(delay_s)
         comm.Allreduce(buf, out, op=MPI.SUM)
     elapsed = comm.allreduce(time.perf_counter() - t, op=MPI.MAX) / iters
     algbw = buf.nbytes / elapsed / 1e9
@@ -147,10 +151,11 @@ def round_robin(n: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
-def pair_matrix(comm: Any, nbytes: int, iters: int = 3) -> tuple[np.ndarray, np.ndarray]:
+def pair_matrix(comm: Any, nbytes: int, iters: int = 3, delay_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Ping-pong between every pair of ``comm``'s members: (bandwidth GB/s, latency µs), [n, n], NaN on the diagonal.
 
-    Every member must call it; the result is complete on every member.
+    Every member must call it; the result is complete on every member. ``delay_s``: an injected wait
+    before each message this member sends (a slow node, for drills and tests).
     """
     from mpi4py import MPI
 
@@ -170,10 +175,12 @@ def pair_matrix(comm: Any, nbytes: int, iters: int = 3) -> tuple[np.ndarray, np.
                 t = time.perf_counter()
                 for _ in range(iters):
                     if me == a:
+                        time.sleep(delay_s)
                         comm.Send(buf, dest=peer, tag=7)
                         comm.Recv(got, source=peer, tag=7)
                     else:
                         comm.Recv(got, source=peer, tag=7)
+                        time.sleep(delay_s)
                         comm.Send(buf, dest=peer, tag=7)
                 rtt = (time.perf_counter() - t) / iters
                 if out is lat:
@@ -197,14 +204,14 @@ def judge_matrix(nodes: list[str], bw: np.ndarray, t: NetThresholds = NetThresho
             return [ProbeResult("net.pair", Status.OK, Subject(nodes[0]), f"{nodes[0]} ↔ {nodes[1]}: "
                                 f"{bw[0, 1]:.2f} GB/s", round(float(bw[0, 1]), 3))]
         return []
-    overall = float(np.nanmedian(bw))
     res = []
     row_med = np.nanmedian(bw, axis=1)
+    overall = float(np.nanmedian(row_med))  # the typical node's: one slow node is half the cells of a small matrix
     bad_rows = {i for i in range(n) if row_med[i] < t.slow_ratio * overall}
     for i in sorted(bad_rows):
         res.append(ProbeResult("net.node", Status.FAIL, Subject(nodes[i]),
                                f"point-to-point bandwidth to the other nodes {row_med[i]:.2f} GB/s, "
-                               f"{row_med[i] / overall:.0%} of the allocation's median {overall:.2f} GB/s",
+                               f"{row_med[i] / overall:.0%} of the median node's {overall:.2f} GB/s",
                                round(float(row_med[i]), 3), round(overall * t.slow_ratio, 3),
                                "Check this node's NIC (link rate, errors, PCIe) and its switch port; drain it."))
     for i in range(n):

@@ -24,7 +24,7 @@ from typing import Any
 
 from megatrace.check.dcgm import probe_dcgm
 from megatrace.check.gpu import probe_gpus
-from megatrace.check.host import judge_allocation, judge_host, read_host
+from megatrace.check.host import judge_allocation, judge_host, read_host, read_net_delay
 from megatrace.check.results import ProbeResult, Status, worst
 from megatrace.check.thresholds import Thresholds
 from megatrace.files import write_atomic
@@ -207,15 +207,16 @@ def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport
     if _family("net", opts.only):
         nbytes = FULL_BYTES if opts.level == "full" else QUICK_BYTES
         backend = choose_backend(comm, opts.net_backend)
+        delay_s = read_net_delay(node)  # a slow node injected by the site (drills, tests): 0 normally
         if backend == "mpi":
-            busbw = allreduce_busbw(comm, nbytes)
+            busbw = allreduce_busbw(comm, nbytes, delay_s=delay_s)
         else:
             busbw = torch_allreduce_busbw(comm, nbytes, backend, node_comm.Get_rank(), opts.timeout_s)
         if comm.Get_rank() == 0:
             results.append(judge_busbw(busbw, node, comm.Get_size(), opts.thresholds.net, backend))
         leaders = comm.Split(0 if leader else 1, nodes.index(node))
         if leader and opts.level == "full" and leaders.Get_size() > 1:
-            bw, lat = pair_matrix(leaders, PAIR_BYTES)
+            bw, lat = pair_matrix(leaders, PAIR_BYTES, delay_s=delay_s)
             if leaders.Get_rank() == 0:
                 results += judge_matrix(nodes, bw, opts.thresholds.net)
                 matrix = {"nodes": nodes, "bandwidth_gbps": _rounded(bw), "latency_us": _rounded(lat)}
