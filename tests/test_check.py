@@ -77,7 +77,11 @@ def test_allocation_comparisons_name_the_odd_node() -> None:
     hosts["n1"] = {**base, "cpus": 8}
     hosts["n2"] = {**base, "versions": {"torch": "2.9.1"}}
     hosts["n3"] = {**base, "wall_ns": base["wall_ns"] + 2_000_000_000}
+    for name in hosts:
+        hosts[name]["gpu_driver"] = {"driver": "550.54.15", "cuda": 12040}
+    hosts["n3"]["gpu_driver"] = {"driver": "535.104.05", "cuda": 12020}
     res = {(r.probe, r.subject.node): r for r in judge_allocation(hosts)}
+    assert res[("node.gpu_driver", "n3")].status == Status.WARN and "535.104.05" in res[("node.gpu_driver", "n3")].message
     assert res[("node.cpus", "n1")].status == Status.WARN and "8 CPUs" in res[("node.cpus", "n1")].message
     assert res[("node.versions", "n2")].status == Status.WARN and "2.9.1" in res[("node.versions", "n2")].message
     assert res[("node.clock", "n3")].status == Status.FAIL

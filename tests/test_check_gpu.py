@@ -81,6 +81,13 @@ def test_a_healthy_node_passes_every_check(node) -> None:
     ("gpu3.error.nvmlDeviceGetRemappedRows=3", "gpu.remap", Status.SKIP, "Not Supported"),
     ("gpu3.nvlink_down=4", "gpu.nvlink", Status.FAIL, "NVLink 4 down while 17 others are up"),
     ("gpu3.nvlink5.crc_flit=400", "gpu.nvlink", Status.WARN, "NVLink 5: 400 replay/recovery/CRC errors"),
+    ("gpu3.pcie_gen_max=4\ngpu3.pcie_gen=1", "gpu.pcie_gen", Status.WARN, "limited to Gen4; the GPU does Gen5"),
+    ("gpu3.pcie_gen=1", "gpu.pcie_gen", Status.OK, "PCIe Gen5 link"),  # an idle GPU drops its link speed
+    ("gpu3.retired_pending=1", "gpu.retired", Status.WARN, "page retirement is pending a GPU reset"),
+    ("gpu3.retired_sbe=40\ngpu3.retired_dbe=22", "gpu.retired", Status.FAIL, "62 pages retired (22 for double-bit"),
+    ("gpu3.slowdown_temp=unsupported\ngpu3.temp=93", "gpu.temperature", Status.FAIL,
+     "93 °C at its shutdown temperature 92 °C"),  # no slowdown threshold reported: the shutdown one
+    ("gpu3.xid_event=48", "gpu.xid", Status.FAIL, "XID 48 from NVML"),
 ])
 def test_each_fault_is_named_on_its_gpu(node, line: str, probe: str, status: Status, words: str) -> None:
     results = node(HEALTHY + line + "\n")
@@ -91,6 +98,20 @@ def test_each_fault_is_named_on_its_gpu(node, line: str, probe: str, status: Sta
     if status == Status.FAIL:
         assert hit.drain_reason().startswith("megatrace: GPU3 ")
         assert hit.remediation
+
+
+def test_nvml_xid_events_count_with_the_kernel_log_or_without_it(node, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGATRACE_KERNEL_LOG", str(tmp_path / "unreadable"))  # a container: no kernel log
+    results = node(HEALTHY + "gpu6.xid_event=13,79\n")
+    xid6 = by_probe(results, 6)["gpu.xid"]
+    assert xid6.status == Status.FAIL and xid6.message.startswith("XID 79 from NVML")
+    assert by_probe(results, 1)["gpu.xid"].status == Status.OK  # events of GPU6 only
+    log = tmp_path / "kern.log"
+    log.write_text("kernel: NVRM: Xid (PCI:0000:1e:00): 31, pid=1, MMU Fault\n")  # GPU6's bus
+    monkeypatch.setenv("MEGATRACE_KERNEL_LOG", str(log))
+    xid6 = by_probe(node(HEALTHY + "gpu6.xid_event=13\n"), 6)["gpu.xid"]
+    assert xid6.status == Status.WARN and "XID 13, 31" in xid6.message and xid6.value == [13, 31]
 
 
 def test_xid_lines_of_the_kernel_log_land_on_their_gpu(node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,10 +26,11 @@ Exit status (exact; a prolog drains the node on 4):
   2  bad usage
   1  the checks could not run
 \b
-Probes: gpu.{nvml,count,driver,temperature,clocks,ecc,remap,power,pcie,memory,mig,persistence},
-node.{injected,tracer,shm,job_dir,ring_dir,ib,cpus,mem_bytes,kernel,versions,clock},
-net.{allreduce,node,link,matrix,pair}. A root-owned /etc/megatrace/fail-preflight-NODE fails
-node.injected with its text (drills and tests; MEGATRACE_SITE_DIR moves /etc/megatrace).
+Probes: gpu.{nvml,count,driver,xid,temperature,clocks,ecc,remap,retired,power,pcie,pcie_gen,memory,
+mig,persistence,nvlink,dcgm}, node.{injected,tracer,shm,job_dir,ring_dir,ib,cpus,mem_bytes,kernel,
+versions,gpu_driver,ib_rate,clock}, net.{allreduce,node,link,matrix,pair}.
+Drills: a root-owned /etc/megatrace/fail-preflight-NODE fails node.injected with its text;
+slow-net-NODE (milliseconds) slows that node in the network test. MEGATRACE_SITE_DIR moves the folder.
 Under srun/mpiexec the first task of each node checks the node; each task checks the GPUs it is
 bound to (CUDA_VISIBLE_DEVICES), or the first task all of them; every task joins the all-reduce
 (NCCL where every task has a GPU, else MPI); --level full adds the node x node bandwidth matrix

@@ -47,6 +47,7 @@ class GpuThresholds:
     stray_memory_mib: int = 1024  # memory held by processes at job start
     nvlinks: int = 0  # NVLinks each GPU must have up (0: any; a model section sets it, e.g. 18 for H100 SXM)
     nvlink_errors_warn: int = 100  # replay, recovery and CRC errors of one link since boot
+    retired_pages_fail: int = 60  # pages retired (pre-Ampere page retirement; the GPU's limit is 64)
     models: tuple[tuple[str, "GpuThresholds"], ...] = ()  # (name pattern, limits) from the file's models section
 
     def for_model(self, name: Any) -> "GpuThresholds":
@@ -121,11 +122,14 @@ def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
             out["error"] = count["error"]
             return out
         out["count"] = count
+        handles = []
         for i in range(count):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             uuid = _call(pynvml.nvmlDeviceGetUUID, h)
-            if not selected(i, uuid, select):
-                continue
+            if selected(i, uuid, select):
+                handles.append((i, h, uuid))
+        events = XidEvents(pynvml, [h for _, h, _ in handles])  # Xids that happen while the facts are read
+        for i, h, uuid in handles:
             pci = _call(pynvml.nvmlDeviceGetPciInfo_v3, h)
             out["gpus"].append({
                 "index": i, "name": _call(pynvml.nvmlDeviceGetName, h), "uuid": uuid,
@@ -133,6 +137,8 @@ def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
                 "temp": _call(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU),
                 "slowdown_temp": _call(pynvml.nvmlDeviceGetTemperatureThreshold, h,
                                        pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+                "shutdown_temp": _call(pynvml.nvmlDeviceGetTemperatureThreshold, h,
+                                       pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
                 "clock_events": _call(pynvml.nvmlDeviceGetCurrentClocksEventReasons, h),
                 "ecc_sbe": _call(pynvml.nvmlDeviceGetTotalEccErrors, h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
                                  pynvml.NVML_VOLATILE_ECC),
@@ -141,6 +147,10 @@ def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
                 "remapped_rows": _call(pynvml.nvmlDeviceGetRemappedRows, h),
                 "power_limit": _call(pynvml.nvmlDeviceGetPowerManagementLimit, h),
                 "power_default": _call(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, h),
+                "pcie_gen": _call(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
+                "pcie_gen_max": _call(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                "pcie_gen_gpu_max": _call(pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration, h),
+                "retired_pages": read_retired_pages(pynvml, h),
                 "pcie_width": _call(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
                 "pcie_width_max": _call(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
                 "persistence": _call(pynvml.nvmlDeviceGetPersistenceMode, h),
@@ -149,6 +159,8 @@ def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
                                           for p in pynvml.nvmlDeviceGetComputeRunningProcesses(d)], h),
                 "nvlinks": read_nvlinks(pynvml, h),
             })
+        for g, (_, h, _) in zip(out["gpus"], handles):
+            g["xid_events"] = events.drain(h)
         return out
     finally:
         try:
@@ -176,6 +188,67 @@ def read_nvlinks(pynvml: Any, h: Any) -> list[dict[str, Any]] | dict[str, str]:
                 entry[name] = value
         links.append(entry)
     return links
+
+
+class XidEvents:
+    """NVML Xid critical-error events of some GPUs, registered now and drained without waiting.
+
+    NVML delivers only events that happen after registration: this sees an Xid raised while the
+    check runs (where the kernel log cannot be read, the only way to see one at all).
+    """
+
+    MAX_EVENTS = 256
+
+    def __init__(self, pynvml: Any, handles: list[Any]) -> None:
+        self.pynvml, self.error, self.set = pynvml, None, None
+        self.by_gpu: dict[int, list[int]] = {}
+        try:
+            self.set = pynvml.nvmlEventSetCreate()
+            for h in handles:
+                pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self.set)
+        except pynvml.NVMLError as exc:
+            self.error = str(exc)
+        except AttributeError:  # an NVML without events
+            self.error = "NVML has no event API"
+        self._drained = False
+
+    def drain(self, handle: Any) -> list[int] | dict[str, str]:
+        """The Xid codes NVML reported for ``handle`` (oldest first), or {"error": ...}."""
+        import ctypes
+
+        if self.error:
+            return {"error": self.error}
+        if not self._drained:
+            self._drained = True
+            try:
+                for _ in range(self.MAX_EVENTS):
+                    data = self.pynvml.nvmlEventSetWait_v2(self.set, 0)
+                    key = ctypes.cast(data.device, ctypes.c_void_p).value or 0
+                    self.by_gpu.setdefault(key, []).append(int(data.eventData))
+            except self.pynvml.NVMLError:
+                pass  # NVML_ERROR_TIMEOUT: no more events
+            try:
+                self.pynvml.nvmlEventSetFree(self.set)
+            except self.pynvml.NVMLError:
+                pass
+        return self.by_gpu.get(ctypes.cast(handle, ctypes.c_void_p).value or 0, [])
+
+
+RETIRE_CAUSES = {"sbe": 0, "dbe": 1}  # NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS, _DOUBLE_BIT_
+
+
+def read_retired_pages(pynvml: Any, h: Any) -> dict[str, Any]:
+    """Pages retired per cause and whether more wait for a reset; {"error": ...} where NVML has no page
+    retirement (Ampere and later remap rows instead)."""
+    out: dict[str, Any] = {}
+    for name, cause in RETIRE_CAUSES.items():
+        pages = _call(pynvml.nvmlDeviceGetRetiredPages, h, cause)
+        if isinstance(pages, dict):
+            return pages
+        out[name] = len(pages)
+    pending = _call(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
+    out["pending"] = bool(pending) if isinstance(pending, int) else False
+    return out
 
 
 def _call(fn: Any, *args: Any) -> Any:
@@ -243,21 +316,29 @@ def judge_gpus(facts: dict[str, Any], node: str, expected: int | None,
     xids = facts.get("xids")
     for g in gpus:
         out += _judge_one(node, g, thresholds.for_model(g.get("name")))
+        seen = None  # the GPU's Xids: from the kernel log where readable, and from NVML events
         if isinstance(xids, list) and isinstance(g.get("pci_bus"), str):
-            out += _judge_xids(node, g, [x for x in xids if x["pci"] == _bus_key(g["pci_bus"])])
+            seen = [x for x in xids if x["pci"] == _bus_key(g["pci_bus"])]
+        if isinstance(g.get("xid_events"), list):
+            seen = (seen or []) + [{"xid": code, "message": "an NVML Xid event during the check", "pci": None}
+                                   for code in g["xid_events"]]
+        if seen is not None:
+            out += _judge_xids(node, g, seen)
     return out
 
 
 def _judge_xids(node: str, g: dict[str, Any], xids: list[dict[str, Any]]) -> list[ProbeResult]:
-    subj = Subject(node, g["index"], g.get("uuid") if isinstance(g.get("uuid"), str) else None, g["pci_bus"])
+    subj = Subject(node, g["index"], g.get("uuid") if isinstance(g.get("uuid"), str) else None,
+                   g.get("pci_bus") if isinstance(g.get("pci_bus"), str) else None)
     if not xids:
-        return [ProbeResult("gpu.xid", Status.OK, subj, "no Xid in the kernel log")]
+        return [ProbeResult("gpu.xid", Status.OK, subj, "no Xid in the kernel log or from NVML")]
     codes = sorted({x["xid"] for x in xids})
     bad = [c for c in codes if c in XID_FAIL]
     last = xids[-1]
     status = Status.FAIL if bad else Status.WARN
     shown = bad or codes
-    return [ProbeResult("gpu.xid", status, subj, f"XID {', '.join(map(str, shown))} in the kernel log"
+    where = "from NVML" if all(x["pci"] is None for x in xids) else "in the kernel log"
+    return [ProbeResult("gpu.xid", status, subj, f"XID {', '.join(map(str, shown))} {where}"
                         + (f" ({last['message']})" if last["message"] else ""), codes, sorted(XID_FAIL),
                         "Xids since boot: see `dmesg | grep Xid`; reset the GPU or reboot, and drain the node "
                         "until it passes again." if bad else "")]
@@ -282,14 +363,16 @@ def _judge_one(node: str, g: dict[str, Any], t: GpuThresholds) -> list[ProbeResu
             return True
         return False
 
-    temp, slow = g.get("temp"), g.get("slowdown_temp")
+    temp, slow, shut = g.get("temp"), g.get("slowdown_temp"), g.get("shutdown_temp")
     if not unsupported("temperature", temp):
-        limit = slow if isinstance(slow, int) else None
+        # the slowdown threshold comes first; a GPU that does not report one is held to its shutdown one
+        limit, what = (slow, "slowdown") if isinstance(slow, int) else (shut, "shutdown") if isinstance(shut, int) \
+            else (None, "")
         if limit is not None and temp >= limit:
-            add("temperature", Status.FAIL, f"{temp} °C at its slowdown temperature {limit} °C", temp, limit,
+            add("temperature", Status.FAIL, f"{temp} °C at its {what} temperature {limit} °C", temp, limit,
                 "Check the node's cooling and airflow; drain it.")
         elif limit is not None and temp >= limit - t.temp_margin_c:
-            add("temperature", Status.WARN, f"{temp} °C, within {t.temp_margin_c} °C of slowdown at {limit} °C",
+            add("temperature", Status.WARN, f"{temp} °C, within {t.temp_margin_c} °C of {what} at {limit} °C",
                 temp, limit, "Check the node's cooling.")
         else:
             add("temperature", Status.OK, f"{temp} °C", temp, limit)
@@ -339,6 +422,25 @@ def _judge_one(node: str, g: dict[str, Any], t: GpuThresholds) -> list[ProbeResu
                 "A degraded PCIe link slows every host-device copy: reseat the GPU or check the riser.")
         else:
             add("pcie", Status.OK, f"PCIe link x{width}", width, width_max)
+    gen, gen_gpu = g.get("pcie_gen_max"), g.get("pcie_gen_gpu_max")  # (the current gen drops at idle: not judged)
+    if isinstance(gen, int) and isinstance(gen_gpu, int):
+        if gen < gen_gpu:
+            add("pcie_gen", Status.WARN, f"PCIe link limited to Gen{gen}; the GPU does Gen{gen_gpu}", gen, gen_gpu,
+                "The slot, riser or BIOS setting holds the link below the GPU's generation: check them.")
+        else:
+            add("pcie_gen", Status.OK, f"PCIe Gen{gen} link", gen, gen_gpu)
+    retired = g.get("retired_pages")
+    if isinstance(retired, dict) and "error" not in retired:
+        total = retired["sbe"] + retired["dbe"]
+        if total >= t.retired_pages_fail:
+            add("retired", Status.FAIL, f"{total} pages retired ({retired['dbe']} for double-bit errors), near "
+                "the GPU's limit", total, t.retired_pages_fail, "The GPU is running out of memory pages to "
+                "retire: replace it.")
+        elif retired["pending"]:
+            add("retired", Status.WARN, "a page retirement is pending a GPU reset", total, t.retired_pages_fail,
+                "Reset the GPU (nvidia-smi -r) when the node is idle.")
+        else:
+            add("retired", Status.OK, f"{total} pages retired", total, t.retired_pages_fail)
     procs = g.get("procs")
     if not unsupported("memory", procs):
         held = sum(p["bytes"] for p in procs) >> 20

@@ -267,7 +267,8 @@ def _slow_ports(hosts: dict[str, dict[str, Any]], t: HostThresholds) -> list[Pro
 
 
 def judge_allocation(hosts: dict[str, dict[str, Any]], t: HostThresholds = HostThresholds()) -> list[ProbeResult]:
-    """Compare the nodes with each other: CPUs, memory, kernel and library versions, port rates, wall clocks."""
+    """Compare the nodes with each other: CPUs, memory, kernel, library and GPU driver versions, port rates,
+    wall clocks."""
     res: list[ProbeResult] = []
     if len(hosts) < 2:
         return res
@@ -282,7 +283,7 @@ def judge_allocation(hosts: dict[str, dict[str, Any]], t: HostThresholds = HostT
                 res.append(ProbeResult(f"node.{key}", Status.WARN, Subject(node),
                                        f"{shown(v)} {label}, the allocation's median is {shown(int(med))}", v,
                                        int(med), "A smaller node slows every rank that waits for it."))
-    for key, label in (("kernel", "kernel"), ("versions", "library versions")):
+    for key, label in (("kernel", "kernel"), ("versions", "library versions"), ("gpu_driver", "GPU driver and CUDA")):
         groups: dict[str, list[str]] = {}
         for node, f in hosts.items():
             groups.setdefault(repr(f.get(key)), []).append(node)

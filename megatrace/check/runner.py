@@ -200,6 +200,8 @@ def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport
     if leader or mine[node_comm.Get_rank()]:  # each task its own GPUs, in parallel; the first also the node's
         results = check_gpus(opts, node, mine[node_comm.Get_rank()], leader,
                              expected_gpus(opts.expect_gpus, visible)) + results
+    if leader:  # the node's GPU driver and CUDA, compared across the allocation with the other versions
+        facts["gpu_driver"] = next((r.value for r in results if r.probe == "gpu.driver"), None)
     comm.Barrier()
     if leader:
         facts["wall_ns"] = time.time_ns()  # read right after a barrier: comparable across nodes

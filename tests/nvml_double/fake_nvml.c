@@ -8,11 +8,14 @@
  *   gpus=2                     driver=550.54.15          cuda=12040
  *   init_error=9               (nvmlInit fails with this NVML error code)
  *   gpu0.name=NVIDIA H100 80GB HBM3   gpu0.uuid=GPU-...   gpu0.bus=00000000:18:00.0
- *   gpu0.temp=45  gpu0.slowdown_temp=87  gpu0.shutdown_temp=92
+ *   gpu0.temp=45  gpu0.slowdown_temp=87  gpu0.shutdown_temp=92   (either may be "unsupported")
  *   gpu0.clock_events=0x8      (nvmlClocksEventReason bits)
  *   gpu0.ecc_sbe=0  gpu0.ecc_dbe=0  gpu0.remap_corr=0  gpu0.remap_unc=0  gpu0.remap_pending=0  gpu0.remap_failure=0
  *   gpu0.power_limit=700000    gpu0.power_default=700000   (milliwatts)
- *   gpu0.pcie_gen=5  gpu0.pcie_gen_max=5  gpu0.pcie_width=16  gpu0.pcie_width_max=16
+ *   gpu0.pcie_gen=5  gpu0.pcie_gen_max=5  gpu0.pcie_gen_gpu_max=5  gpu0.pcie_width=16  gpu0.pcie_width_max=16
+ *                              (gen_max: what the link can do in this slot; gen_gpu_max: what the GPU can)
+ *   gpu0.retired_sbe=0  gpu0.retired_dbe=0  gpu0.retired_pending=0   (page retirement, pre-Ampere)
+ *   gpu0.xid_event=79,13       (Xid critical-error events delivered to an event set registered for it)
  *   gpu0.persistence=1  gpu0.mig=0
  *   gpu0.procs=1234:1073741824,5678:2048   (pid:used bytes)
  *   gpu0.nvlinks=18  gpu0.nvlink_down=3,7   (links 0..17, two of them down; 0 links: not supported)
@@ -211,6 +214,8 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t dev, int sensor, unsigned int
 nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t dev, int threshold, unsigned int *temp) {
     nvmlReturn_t r = enter(dev, "nvmlDeviceGetTemperatureThreshold");
     if (r) return r;
+    const char *given = gpu_get(dev->index, threshold == 0 ? "shutdown_temp" : "slowdown_temp");
+    if (given && strcmp(given, "unsupported") == 0) return ERR_NOT_SUPPORTED;
     if (threshold == 0) *temp = (unsigned int)gpu_num(dev->index, "shutdown_temp", 92);
     else if (threshold == 1) *temp = (unsigned int)gpu_num(dev->index, "slowdown_temp", 87);
     else return ERR_NOT_SUPPORTED;
@@ -260,6 +265,30 @@ UINT_GETTER(nvmlDeviceGetPowerManagementLimit, "power_limit", 700000)
 UINT_GETTER(nvmlDeviceGetPowerManagementDefaultLimit, "power_default", 700000)
 UINT_GETTER(nvmlDeviceGetCurrPcieLinkGeneration, "pcie_gen", 5)
 UINT_GETTER(nvmlDeviceGetMaxPcieLinkGeneration, "pcie_gen_max", 5)
+UINT_GETTER(nvmlDeviceGetRetiredPagesPendingStatus, "retired_pending", 0)
+
+nvmlReturn_t nvmlDeviceGetGpuMaxPcieLinkGeneration(nvmlDevice_t dev, unsigned int *out) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetGpuMaxPcieLinkGeneration");
+    if (r) return r;
+    *out = (unsigned int)gpu_num(dev->index, "pcie_gen_gpu_max", 5);
+    return OK;
+}
+
+/* Page addresses retired for one cause (0: multiple single-bit errors, 1: a double-bit error). */
+nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t dev, int cause, unsigned int *count,
+                                       unsigned long long *addresses) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceGetRetiredPages");
+    if (r) return r;
+    if (cause != 0 && cause != 1) return ERR_INVALID;
+    unsigned int n = (unsigned int)gpu_num(dev->index, cause ? "retired_dbe" : "retired_sbe", 0);
+    if (!addresses || *count < n) {
+        *count = n;
+        return n ? ERR_INSUFFICIENT : OK;
+    }
+    for (unsigned int i = 0; i < n; i++) addresses[i] = 0x100000ull * (i + 1) + (unsigned long long)cause;
+    *count = n;
+    return OK;
+}
 UINT_GETTER(nvmlDeviceGetCurrPcieLinkWidth, "pcie_width", 16)
 UINT_GETTER(nvmlDeviceGetMaxPcieLinkWidth, "pcie_width_max", 16)
 UINT_GETTER(nvmlDeviceGetPersistenceMode, "persistence", 1)
@@ -333,5 +362,61 @@ nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t dev, unsigned int link
     char field[64];
     snprintf(field, sizeof field, "nvlink%u.%s", link, names[counter]);
     *value = gpu_num(dev->index, field, 0);
+    return OK;
+}
+
+/* Events: one static set; Xid events of the registered GPUs are delivered once each, in GPU order. */
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType, eventData;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+struct fake_event_set { int registered[MAX_GPUS]; int delivered[MAX_GPUS]; };
+static struct fake_event_set event_set;
+
+nvmlReturn_t nvmlEventSetCreate(struct fake_event_set **set) {
+    if (!initialized) return ERR_UNINIT;
+    memset(&event_set, 0, sizeof event_set);
+    *set = &event_set;
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t dev, unsigned long long types, struct fake_event_set *set) {
+    nvmlReturn_t r = enter(dev, "nvmlDeviceRegisterEvents");
+    if (r) return r;
+    if (set != &event_set) return ERR_INVALID;
+    if (types & 0x8ull) set->registered[dev->index] = 1;  /* nvmlEventTypeXidCriticalError */
+    return OK;
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(struct fake_event_set *set, nvmlEventData_t *data, unsigned int timeout_ms) {
+    if (!initialized) return ERR_UNINIT;
+    if (set != &event_set || !data) return ERR_INVALID;
+    for (int g = 0; g < n_gpus(); g++) {
+        if (!set->registered[g]) continue;
+        const char *list = gpu_get(g, "xid_event");
+        char buf[256];
+        snprintf(buf, sizeof buf, "%s", list ? list : "");
+        int k = 0;
+        for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ","), k++) {
+            if (k < set->delivered[g]) continue;
+            set->delivered[g]++;
+            memset(data, 0, sizeof *data);
+            data->device = &devices[g];
+            data->eventType = 0x8ull;
+            data->eventData = strtoull(tok, NULL, 10);
+            data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFFu;
+            return OK;
+        }
+    }
+    struct timespec ts = {(time_t)(timeout_ms / 1000), (long)(timeout_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    return 10;  /* NVML_ERROR_TIMEOUT */
+}
+
+nvmlReturn_t nvmlEventSetFree(struct fake_event_set *set) {
+    if (set != &event_set) return ERR_INVALID;
+    memset(&event_set, 0, sizeof event_set);
     return OK;
 }
