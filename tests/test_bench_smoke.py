@@ -40,6 +40,11 @@ def test_accuracy_prints_the_matrix_and_the_targets() -> None:
     assert "named first:" in out and "false positives:" in out and "healthy" in out
 
 
+def test_import_accuracy_prints_each_format_against_the_rings() -> None:
+    out = bench("import_accuracy.py", "--runs", "1", "--seed", "1")
+    assert "ratio to rings" in out and all(f in out for f in ("flight-recorder", "inspector", "nccl-log"))
+
+
 def test_simulate_speed_prints_the_ratio_to_the_plain_writer() -> None:
     out = bench("simulate_speed.py", "--ranks", "64", "--tp", "2", "--pp", "4", "--records", "300")
     assert "64" in out and "ratio" in out.lower()

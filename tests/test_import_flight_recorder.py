@@ -33,6 +33,7 @@ from megatrace.analyze.traceset import TraceLoadError  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
+from test_import_nccl_log import write_nccl_logs  # noqa: E402  (the NCCL-patch log writer)
 
 FR_ENV = {"TORCH_FR_BUFFER_SIZE": "2000"}
 
@@ -115,11 +116,33 @@ def test_the_demo_hang_is_named_from_flight_recorder_dumps_alone(hang_run: Path)
     rows = trace.rows(0)
     assert set(rec.op[rows].tolist()) == {Op.ALL_REDUCE}  # gloo records collectives only
     assert rec.state[rows][-1] == State.ENQUEUED  # rank 0 waits in its last all_reduce: not retired
-    assert trace.completion_times == "inferred"  # gloo: retired entries carry no completion time
+    assert trace.completion_times == "arrivals"  # gloo: retired entries carry no completion time
     result = analyze(hang_run, format="flight-recorder")
     top = result.findings[0]
     assert top.kind == Kind.COMPUTE_HANG and top.severity == Severity.CRITICAL, top.verdict
     assert top.subject.rank == fault["rank"], top.verdict
+
+
+@pytest.mark.parametrize("faults", [("slow:rank=2,factor=2",), ()], ids=["slow", "healthy"])
+def test_a_slow_rank_is_named_from_dumps_and_logs_without_completion_times(tmp_path: Path, faults: tuple[str, ...]) -> None:
+    """Gloo dumps give arrivals only: compute between calls is measured from each instance's last arrival."""
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {**FR_ENV, "MEGATRACE_DEMO_FR_DUMP": str(out / "fr")}.items():
+            mp.setenv(k, v)
+        run_local(DemoOptions(tp=2, pp=2, dp=1, steps=6, faults=faults, out=out, stall_s=8.0), log=lambda msg: None)
+    result = analyze(out, format="flight-recorder")
+    assert "critical_path" in result.results["skipped_stages"] and "stragglers" not in result.results["skipped_stages"]
+    named = [f.subject.rank for f in result.findings if f.kind == Kind.STRAGGLER]
+    # the same run's calls as NCCL-patch logs (enqueue times only, no groupHash): the same verdict
+    write_nccl_logs(load_trace(out), tmp_path / "logs", group_hash=False)
+    from_logs = [f.subject.rank for f in analyze(tmp_path / "logs").findings if f.kind == Kind.STRAGGLER]
+    if faults:
+        (fault,) = json.loads((out / "fault.json").read_text())["faults"]
+        assert named == [fault["rank"]] and result.findings[0].kind == Kind.STRAGGLER, result.findings[0].verdict
+        assert from_logs == [fault["rank"]]
+    else:
+        assert named == [] and from_logs == []
 
 
 def test_the_cli_detects_dumps_in_a_subdirectory(hang_run: Path, tmp_path: Path) -> None:

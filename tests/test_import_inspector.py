@@ -131,7 +131,7 @@ def test_the_straggler_is_told_from_its_waiting_pipeline_neighbour(tmp_path: Pat
     insp = inspector_of(trace, tmp_path / "insp")
     result = analyze(insp)
     assert stragglers(insp) == [slow]
-    assert any("rank 1 of its pipeline is slower too" in str(e) for e in result.findings[0].evidence)
+    assert any("rank 1 of its pipeline replica is slower too" in str(e) for e in result.findings[0].evidence)
 
 
 def test_without_the_verbose_trace_times_come_from_the_dump(demo: tuple[TraceSet, int], tmp_path: Path) -> None:

@@ -253,9 +253,14 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
         ctx.results["job"] = job
         ctx.findings.extend(config_findings(job))
     run = stages if stages is not None else STAGES
+    keep = None
     if quick or trace.completion_times == "inferred":  # (guessed completions would invent stragglers)
-        ctx.results["skipped_stages"] = [name for name, _ in run if name not in HANG_MODE_STAGES]
-        run = [(name, stage) for name, stage in run if name in HANG_MODE_STAGES]
+        keep = HANG_MODE_STAGES
+    elif trace.completion_times == "arrivals":  # compute between calls is known, transfer times are not
+        keep = HANG_MODE_STAGES | {"stragglers"}
+    if keep is not None:
+        ctx.results["skipped_stages"] = [name for name, _ in run if name not in keep]
+        run = [(name, stage) for name, stage in run if name in keep]
     for name, stage in run:
         t = time.perf_counter()
         ctx.findings.extend(stage(ctx))

@@ -80,6 +80,7 @@ class RankStats:
     intervals_slower: int = 0  # of them, those where this rank took longer than its peers' median
     interval_ratio: float = 1.0  # median of (own interval / peers' median interval)
     whole_trace: bool = False  # no steps: compared call by call over the whole trace (steps == 0)
+    interval_rank_p: float = 1.0  # whole trace: signed-rank test of the log ratios (chance of so many long ones)
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -156,7 +157,7 @@ def _confidence(s: RankStats, n_peers: int) -> float:
         certain = 1.0 - _sign_tail(s.steps_slower, s.steps)  # P(>= k positive | no effect)
         effect = min(1.0, s.excess_ns / (2 * MIN_EXCESS_NS), s.relative / (2 * MIN_EXCESS_REL))
     if s.intervals >= MIN_INTERVALS and s.interval_ratio > 1.0:
-        fine = 1.0 - _sign_tail(s.intervals_slower, s.intervals)
+        fine = 1.0 - _interval_p(s)
         fine_effect = min(1.0, (s.interval_ratio - 1.0) / (2 * (MIN_INTERVAL_RATIO - 1.0)))
         if fine * (0.5 + 0.5 * fine_effect) > certain * (0.5 + 0.5 * effect):
             certain, effect = fine, fine_effect
@@ -245,6 +246,7 @@ def compare_calls(trace: TraceSet, roles: np.ndarray, gap: np.ndarray) -> dict[i
                 ratio = g[k][long] / ref[long]
                 s.intervals, s.intervals_slower = int(long.sum()), int((ratio > 1.0).sum())
                 s.interval_ratio = float(np.median(ratio))
+                s.interval_rank_p = _signed_rank_p(np.log(np.maximum(ratio, 1e-9)))
             out[r] = s
     return out
 
@@ -254,9 +256,10 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
     """Unflag ranks that a stronger straggler of their own pipeline explains; returns (flagged, rank -> straggler).
 
     Only for traces without point-to-point records: there a rank's wait in a pipeline receive counts as
-    compute, so the stage next to a slow rank looks slow too, by a smaller ratio call by call. A rank is
-    explained when a flagged rank of the same pipeline (same DP and TP coordinates, another stage)
-    exceeds its peers call by call by at least twice as much.
+    compute, so the other stages of a slow rank's pipeline replica look slow too (its neighbours, and
+    through their TP peers the ranks beside those), by a smaller ratio call by call. A rank is explained
+    when a flagged rank of the same replica (same DP coordinate, another stage) exceeds its peers call
+    by call by more: in each replica the strongest flagged rank stays.
     """
     layout = trace.layout
     if layout is None or layout.pp < 2 or len(flagged) < 2 or np.isin(trace.records.op, (Op.SEND, Op.RECV)).any():
@@ -266,8 +269,8 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
         c = layout.coords(r)
         for q in flagged:
             cq = layout.coords(q)
-            if (q != r and (cq.dp, cq.tp) == (c.dp, c.tp) and cq.pp != c.pp and stats[r].intervals
-                    and stats[q].intervals and stats[q].interval_ratio - 1.0 >= 2 * (stats[r].interval_ratio - 1.0)):
+            if (q != r and cq.dp == c.dp and cq.pp != c.pp and stats[r].intervals
+                    and stats[q].intervals and stats[q].interval_ratio > stats[r].interval_ratio):
                 explained[r] = q
                 stats[r].straggler = False
                 notes.append(f"rank {r} is slower than its peers, presumably waiting in receives from rank {q}")
@@ -275,9 +278,31 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
     return [r for r in flagged if r not in explained], explained
 
 
+def _signed_rank_p(d: np.ndarray) -> float:
+    """One-sided Wilcoxon signed-rank p-value (normal approximation) that ``d`` centres above 0.
+
+    Over a whole trace the intervals mix compute a slow rank stretches with calls it does not (a slow
+    data loader, or the demo's padding at the end of an action): the sign test counts every interval
+    alike, this one weighs the long excesses more.
+    """
+    d = d[d != 0]
+    n = len(d)
+    if n < MIN_INTERVALS:
+        return 1.0
+    ranks = np.argsort(np.argsort(np.abs(d), kind="stable"), kind="stable") + 1.0
+    z = (ranks[d > 0].sum() - n * (n + 1) / 4) / math.sqrt(n * (n + 1) * (2 * n + 1) / 24)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _interval_p(s: RankStats) -> float:
+    """The chance that the rank's intervals are this often (whole trace: this much) longer by chance."""
+    p = _sign_tail(s.intervals_slower, s.intervals)
+    return min(p, s.interval_rank_p) if s.whole_trace else p
+
+
 def _slow_by_intervals(s: RankStats) -> bool:
     return (s.intervals >= MIN_INTERVALS and s.interval_ratio >= MIN_INTERVAL_RATIO
-            and _sign_tail(s.intervals_slower, s.intervals) < MAX_INTERVAL_P)
+            and _interval_p(s) < MAX_INTERVAL_P)
 
 
 def compare_peers(trace: TraceSet, it: Iterations) -> tuple[dict[int, RankStats], list[int]]:
@@ -425,19 +450,18 @@ def _impact(ctx, result: StragglerResult) -> None:
 
 
 def _neighbour_evidence(trace: TraceSet, res: StragglerResult, r: int) -> list[str]:
-    """What a trace without point-to-point records leaves open about ``r``'s pipeline neighbours."""
-    out = [f"rank {q} of its pipeline is slower too, by {res.ranks[q].interval_ratio:.2f}x call by call: presumably "
-           f"its unrecorded receives from rank {r} (this trace has no point-to-point records)"
+    """What a trace without point-to-point records leaves open about the other stages of ``r``'s replica."""
+    out = [f"rank {q} of its pipeline replica is slower too, by {res.ranks[q].interval_ratio:.2f}x call by call: "
+           f"presumably its unrecorded receives waiting on rank {r} (this trace has no point-to-point records)"
            for q, by in res.explained.items() if by == r]
     layout = trace.layout
     if layout is not None and layout.pp > 1 and not np.isin(trace.records.op, (Op.SEND, Op.RECV)).any():
         c = layout.coords(r)
-        same = [q for q in res.stragglers if q != r and (layout.coords(q).dp, layout.coords(q).tp) == (c.dp, c.tp)]
+        same = [q for q in res.stragglers if q != r and layout.coords(q).dp == c.dp and layout.coords(q).pp != c.pp]
         if same:
-            who = f"rank {same[0]} of its pipeline is" if len(same) == 1 else f"ranks {rank_list(same)} of its pipeline are"
-            out.append(f"{who} flagged too; without "
-                       "point-to-point records a rank waiting in a receive looks slow, so one of them may only be "
-                       "waiting for the other")
+            who = f"rank {same[0]} is" if len(same) == 1 else f"ranks {rank_list(same)} are"
+            out.append(f"{who} flagged in another stage of its pipeline replica too; without point-to-point "
+                       "records a rank waiting in a receive looks slow, so one of them may only be waiting")
     return out
 
 
@@ -464,7 +488,8 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
             f"{duration(s.mad_ns)})"]
     if s.intervals:
         evidence.append(f"call by call: {s.interval_ratio:.2f}x its peers' compute before the same call (median), "
-                        f"slower in {s.intervals_slower} of {s.intervals} paired compute intervals")
+                        f"slower in {s.intervals_slower} of {s.intervals} paired compute intervals"
+                        + (f" (chance of so much by chance: {_interval_p(s):.0e})" if s.whole_trace else ""))
     if s.collectives:
         evidence.append(f"arrived last in {s.last_arrivals} of its {s.collectives} collectives, keeping the other "
                         f"members waiting {duration(s.lag_caused_ns)} in total "

@@ -165,8 +165,9 @@ class TraceSet:
     tail: int | None = None  # None: every record; K: only each rank's newest K records were loaded
     #                          (more for ranks whose tail had to be extended); see ``RankInfo.unread``
     meta: dict[int, list[dict]] | None = None  # each loaded rank's meta entries, as read (None: not kept)
-    completion_times: str = "observed"  # "inferred": an imported format without (reliable) completion times;
-    #                                     the timing stages do not run on it (docs/importers.md)
+    completion_times: str = "observed"  # "arrivals": an imported format whose calls complete, as far as it
+    #   knows, at their instance's last arrival (stragglers are judged call by call, no critical path);
+    #   "inferred": coarser estimates, no timing stage runs on it (docs/importers.md)
 
     def __post_init__(self) -> None:
         self._pos = {int(r): i for i, r in enumerate(self.ranks)}

@@ -126,14 +126,17 @@ def infer_completions(ranks: list[ImportedRank]) -> None:
 def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], world_size: int | None,
                    problems: list[LoadProblem], layout: Layout | None = None,
                    extra_groups: list[dict] | None = None,
-                   names: dict[int, tuple[str, str]] | None = None, inferred: str = "") -> TraceSet:
+                   names: dict[int, tuple[str, str]] | None = None, inferred: str = "",
+                   completions: str = "inferred") -> TraceSet:
     """Assemble a :class:`TraceSet` from imported ranks, as :func:`load.load_trace` does from rings.
 
     Groups: the group lines of every rank (merged and checked like meta files), plus ``extra_groups``
     (known for every rank, e.g. from a layout); groups used in records without a line are inferred from
     the ranks that used them (named from ``names``: gid -> (name, desc); members from the layout when the
     description is a layout kind). ``inferred``: why completion times are estimates ("" when they were
-    observed); the trace is then marked so that the timing stages (critical path, stragglers) do not run.
+    observed); ``completions`` then says how: "arrivals" (each call completes at its instance's last arrival:
+    the straggler analysis still runs, call by call, and the critical path does not) or "inferred" (coarser:
+    neither runs).
     World size: given, else from the layout, else the highest rank + 1.
     """
     if not ranks:
@@ -195,12 +198,14 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
             f"layout where it names the group's kind, else from the ranks that used the group (a member that "
             f"never used it is then unknown): {', '.join(guessed[:6])}{' …' if len(guessed) > 6 else ''}"))
     if inferred:
-        problems.append(LoadProblem("info", "inferred-completions", f"{source}: {inferred}; the critical path and "
-                                    f"the straggler analysis need real completion times and were not run"))
+        skipped = ("the critical path needs real completion times and was not run; stragglers are judged from "
+                   "arrivals" if completions == "arrivals" else
+                   "the critical path and the straggler analysis need real completion times and were not run")
+        problems.append(LoadProblem("info", "inferred-completions", f"{source}: {inferred}; {skipped}"))
     return TraceSet(path=directory, job_id=source, world_size=world, ranks=np.array(present, dtype=np.int64),
                     rank_info=infos, starts=starts, records=columns.finish(), groups=groups, layout=fitted,
                     facts=_node_facts(directory, problems), problems=problems, missing_ranks=missing, tail=None,
-                    meta=metas, completion_times="inferred" if inferred else "observed")
+                    meta=metas, completion_times=completions if inferred else "observed")
 
 
 def _layout_groups(groups: dict[int, GroupInfo], layout: Layout | None) -> None:

@@ -279,4 +279,4 @@ def load_flight_recorder(directory: Path, layout: Layout | None = None) -> Trace
                                 f"from Flight Recorder dumps ({', '.join(sorted(versions))})"))
     return build_traceset(directory, NAME, ranks, world, problems, layout, names=names,
                           inferred=f"{guessed} of the entries finished without a completion time (their "
-                                   f"instance's last arrival stands in)" if guessed else "")
+                                   f"instance's last arrival stands in)" if guessed else "", completions="arrivals")

@@ -267,7 +267,8 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
     problems.append(LoadProblem("info", "imported", f"imported {plural(n, 'call')} of {plural(len(ranks), 'rank')} "
                                 f"from Megatrace NCCL logs (enqueue times only: completions inferred)"))
     return build_traceset(directory, NAME, ranks, world, problems, config, names=names,
-                          inferred="the logs hold enqueue times only: completions were inferred from arrivals")
+                          inferred="the logs hold enqueue times only: completions were inferred from arrivals",
+                          completions="arrivals")
 
 
 def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]]) -> None:

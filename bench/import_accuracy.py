@@ -1,0 +1,88 @@
+"""Culprit accuracy of the importers on real demo runs: the same run read from rings and three foreign formats.
+
+    python bench/import_accuracy.py [--runs 12] [--seed 0] [--steps 6]
+
+Each run is the real 8- or 4-rank demo (TP2 x PP2 x DP1 or DP2, torch.distributed over gloo) with one
+rank at half speed, or none (a healthy control, one run in three), chosen at random. The run is
+analysed four ways: its MegaTrace rings (the baseline, measured in the same run), its PyTorch Flight
+Recorder dumps (gloo: arrivals only), NCCL Inspector lines and Megatrace NCCL-patch logs written from
+it by the tests' writers (tests/test_import_inspector.py, tests/test_import_nccl_log.py; logs with and
+without groupHash in turn). A run counts as right when exactly the slow rank is named a straggler
+(none for a control). Prints one line per run and format, then the share right per format and its
+ratio to the rings'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatrace.analyze.engine import analyze
+from megatrace.analyze.findings import Kind
+from megatrace.analyze.load import load_trace
+from megatrace.demo.launcher import DemoOptions, run_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_import_inspector import write_inspector  # noqa: E402  (the tests' format writers)
+from test_import_nccl_log import write_nccl_logs  # noqa: E402
+
+FORMATS = ("rings", "flight-recorder", "inspector", "nccl-log")
+
+
+def stragglers(path: Path, fmt: str) -> list[int]:
+    result = analyze(path, format="auto" if fmt == "rings" else fmt)
+    return [f.subject.rank for f in result.findings if f.kind == Kind.STRAGGLER]
+
+
+def one_run(out: Path, index: int, dp: int, slow: int | None, steps: int) -> dict[str, list[int]]:
+    """The demo run and what each format's analysis named."""
+    os.environ.update({"TORCH_FR_BUFFER_SIZE": "2000", "MEGATRACE_DEMO_FR_DUMP": str(out / "fr")})
+    faults = (f"slow:rank={slow},factor=2",) if slow is not None else ()
+    run_local(DemoOptions(tp=2, pp=2, dp=dp, steps=steps, faults=faults, out=out, stall_s=8.0), log=lambda m: None)
+    trace = load_trace(out)
+    write_inspector(trace, out / "inspector")
+    (out / "inspector" / "layout.yaml").write_text((out / "layout.yaml").read_text())
+    write_nccl_logs(trace, out / "nccl-log", group_hash=bool(index % 2))
+    where = {"rings": out, "flight-recorder": out, "inspector": out / "inspector", "nccl-log": out / "nccl-log"}
+    return {fmt: stragglers(where[fmt], fmt) for fmt in FORMATS}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--keep", type=Path, default=None, help="Keep the runs in this folder (to look at a miss).")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    right = dict.fromkeys(FORMATS, 0)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mt-import-acc-") as scratch:
+        tmp = args.keep or scratch
+        for i in range(args.runs):
+            dp = rng.choice([1, 2])
+            slow = None if i % 3 == 2 else rng.randrange(4 * dp)
+            named = one_run(Path(tmp) / f"run{i}", i, dp, slow, args.steps)
+            want = [] if slow is None else [slow]
+            for fmt in FORMATS:
+                right[fmt] += named[fmt] == want
+            print(f"run {i:2d}  TP2·PP2·DP{dp}  slow rank {'-' if slow is None else slow:>2}  "
+                  + "  ".join(f"{fmt} {named[fmt]}" for fmt in FORMATS), flush=True)
+    base = right["rings"] / args.runs
+    print(f"\n{'format':16} {'right':>7} {'share':>6} {'ratio to rings':>15}")
+    for fmt in FORMATS:
+        share = right[fmt] / args.runs
+        print(f"{fmt:16} {right[fmt]:>3}/{args.runs:<3} {share:6.0%} {share / base if base else float('nan'):15.2f}")
+    print(f"({args.runs} runs in {time.perf_counter() - t0:.0f} s)")
+    print(json.dumps({"runs": args.runs, "right": right}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
