@@ -94,6 +94,26 @@ def test_deduplication_rate_limit_and_recurrence(tmp_path: Path) -> None:
         assert len(burst.sent) == 1 and len(burst.suppressed) == 5  # 2 already sent this hour; cap 3
 
 
+def test_checks_racing_on_one_history_send_one_alert(tmp_path: Path) -> None:
+    """Health checks of one node overlapping (slurmd starts one while the last still runs): one alert."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(6)
+        with ctx.Pool(6) as pool:
+            sent = pool.starmap(_race_dispatch, [(str(tmp_path / "h.db"), barrier)] * 6)
+    assert sum(sent) == 1, sent
+    with History(tmp_path / "h.db") as h:
+        assert h.alerts_since("n3:node.injected", 0) == (1, 5)
+
+
+def _race_dispatch(path: str, barrier) -> int:
+    with History(path) as h:
+        barrier.wait()
+        return len(dispatch([Alert("n3", "node.injected", "fail", "drill")], AlertConfig(), h, now=1000.0).sent)
+
+
 class _Receiver(BaseHTTPRequestHandler):
     got: list[dict] = []
     delay = 0.0

@@ -149,14 +149,16 @@ def dispatch(alerts: list[Alert], cfg: AlertConfig, history: History, now: float
         if level is None:
             continue
         alert.level, alert.t = level, now
-        sent_recently, suppressed = history.alerts_since(alert.key, now - cfg.dedupe_window_s)
-        if LEVELS.index(level) > LEVELS.index(cfg.min_level) or sent_recently \
-                or history.sent_since(now - 3600) >= cfg.max_per_hour:
-            history.record_alert(alert.key, level, False, alert.text, now)
+        with history.exclusive():  # decide and record at once: a concurrent check must see this decision
+            sent_recently, _ = history.alerts_since(alert.key, now - cfg.dedupe_window_s)
+            send = not (LEVELS.index(level) > LEVELS.index(cfg.min_level) or sent_recently
+                        or history.sent_since(now - 3600) >= cfg.max_per_hour)
+            if send:
+                alert.recurrences = history.suppressed_since_sent(alert.key)  # repeats folded into this one
+            history.record_alert(alert.key, level, send, alert.text, now)
+        if not send:
             out.suppressed.append(alert)
             continue
-        alert.recurrences = history.suppressed_since_sent(alert.key)  # repeats folded into this one
-        history.record_alert(alert.key, level, True, alert.text, now)
         out.sent.append(alert)
         out.errors += deliver(alert, cfg)
     if cfg.prom_textfile:

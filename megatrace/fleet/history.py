@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +97,18 @@ class History:
         rows = self.db.execute("SELECT t, job, severity, kind, verdict FROM findings WHERE node = ? "
                                "ORDER BY t DESC LIMIT ?", (node, limit))
         return list(rows)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[History]:
+        """One write transaction taken up front (BEGIN IMMEDIATE): what is read inside it cannot change
+        before what is written inside it, across processes (two health checks deciding one alert)."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     # -- alerts (used by megatrace.fleet.alerts for deduplication) --------------------------------------------
     def record_alert(self, key: str, level: str, sent: bool, text: str, t: float) -> None:
