@@ -197,16 +197,27 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
             continue
         keep = [np.isin(rec_step[r], steady[same]) for r in rows]
         g = np.stack([gap[r][k].astype(np.float64) for r, k in zip(rows, keep)])  # [members, paired calls]
-        whole = np.median(g, axis=0) if len(members) > SMALL_GROUP else None  # one rank barely moves it
-        for k, r in enumerate(members):
-            ref = whole if whole is not None else np.median(np.delete(g, k, axis=0), axis=0)
-            long = ref >= MIN_INTERVAL_NS
-            if long.sum() < MIN_INTERVALS:
-                continue
-            ratio = g[k][long] / ref[long]
-            s = stats[r]
-            s.intervals, s.intervals_slower = int(long.sum()), int((ratio > 1.0).sum())
-            s.interval_ratio = float(np.median(ratio))
+        for r, (_, ratio) in zip(members, _paired_ratios(g)):
+            _fill_intervals(stats[r], ratio)
+
+
+def _paired_ratios(g: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Per member of ``g`` ([members, paired calls] compute before each call): (its peers' reference
+    intervals, its ratios to them over the intervals long enough to count; None when too few)."""
+    whole = np.median(g, axis=0) if len(g) > SMALL_GROUP else None  # one rank barely moves it
+    out = []
+    for k in range(len(g)):
+        ref = whole if whole is not None else np.median(np.delete(g, k, axis=0), axis=0)
+        long = ref >= MIN_INTERVAL_NS
+        out.append((ref, g[k][long] / ref[long] if long.sum() >= MIN_INTERVALS else None))
+    return out
+
+
+def _fill_intervals(s: RankStats, ratio: np.ndarray | None) -> None:
+    """The call-by-call fields of ``s`` from its ratios to its peers (nothing when there are too few)."""
+    if ratio is not None:
+        s.intervals, s.intervals_slower = len(ratio), int((ratio > 1.0).sum())
+        s.interval_ratio = float(np.median(ratio))
 
 
 def compare_calls(trace: TraceSet, roles: np.ndarray, gap: np.ndarray) -> dict[int, RankStats]:
@@ -236,16 +247,11 @@ def compare_calls(trace: TraceSet, roles: np.ndarray, gap: np.ndarray) -> dict[i
         g = np.stack([gap[r[:n]].astype(np.float64) for r in rows])
         g[:, 0] = 0.0  # the first call's "gap" is the time before tracing began
         members = tuple(ranks[i] for i in group.tolist())
-        whole = np.median(g, axis=0) if len(members) > SMALL_GROUP else None
-        for k, r in enumerate(members):
-            ref = whole if whole is not None else np.median(np.delete(g, k, axis=0), axis=0)
-            long = ref >= MIN_INTERVAL_NS
+        for k, (r, (ref, ratio)) in enumerate(zip(members, _paired_ratios(g))):
             own, peer = float(g[k].sum()), float(ref.sum())
             s = RankStats(r, members, int(own), int(peer), int(own - peer), 0, 0, 0, whole_trace=True)
-            if long.sum() >= MIN_INTERVALS:
-                ratio = g[k][long] / ref[long]
-                s.intervals, s.intervals_slower = int(long.sum()), int((ratio > 1.0).sum())
-                s.interval_ratio = float(np.median(ratio))
+            _fill_intervals(s, ratio)
+            if ratio is not None:
                 s.interval_rank_p = _signed_rank_p(np.log(np.maximum(ratio, 1e-9)))
             out[r] = s
     return out
@@ -262,7 +268,7 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
     by call by more: in each replica the strongest flagged rank stays.
     """
     layout = trace.layout
-    if layout is None or layout.pp < 2 or len(flagged) < 2 or np.isin(trace.records.op, (Op.SEND, Op.RECV)).any():
+    if layout is None or layout.pp < 2 or len(flagged) < 2 or _has_p2p(trace):
         return flagged, {}
     explained = {}
     for r in flagged:
@@ -276,6 +282,11 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
                 notes.append(f"rank {r} is slower than its peers, presumably waiting in receives from rank {q}")
                 break
     return [r for r in flagged if r not in explained], explained
+
+
+def _has_p2p(trace: TraceSet) -> bool:
+    """The trace records point-to-point calls (a receive's wait is then not counted as compute)."""
+    return bool(np.isin(trace.records.op, (Op.SEND, Op.RECV)).any())
 
 
 def _signed_rank_p(d: np.ndarray) -> float:
@@ -402,9 +413,8 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
     if not any(s.intervals for s in stats.values()):  # too few steps to pair calls within them: pair them all
         for r, whole in compare_calls(trace, it.roles, gap).items():
             if r in stats:
-                s = stats[r]
-                s.intervals, s.intervals_slower, s.interval_ratio = (whole.intervals, whole.intervals_slower,
-                                                                     whole.interval_ratio)
+                stats[r].intervals, stats[r].intervals_slower = whole.intervals, whole.intervals_slower
+                stats[r].interval_ratio = whole.interval_ratio
     for r, (caused, own, times, entered) in arrival_lags(trace, ix, c, it, te, gap, steps).items():
         if r in stats:
             s = stats[r]
@@ -455,7 +465,7 @@ def _neighbour_evidence(trace: TraceSet, res: StragglerResult, r: int) -> list[s
            f"presumably its unrecorded receives waiting on rank {r} (this trace has no point-to-point records)"
            for q, by in res.explained.items() if by == r]
     layout = trace.layout
-    if layout is not None and layout.pp > 1 and not np.isin(trace.records.op, (Op.SEND, Op.RECV)).any():
+    if layout is not None and layout.pp > 1 and not _has_p2p(trace):
         c = layout.coords(r)
         same = [q for q in res.stragglers if q != r and layout.coords(q).dp == c.dp and layout.coords(q).pp != c.pp]
         if same:
@@ -489,7 +499,7 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
     if s.intervals:
         evidence.append(f"call by call: {s.interval_ratio:.2f}x its peers' compute before the same call (median), "
                         f"slower in {s.intervals_slower} of {s.intervals} paired compute intervals"
-                        + (f" (chance of so much by chance: {_interval_p(s):.0e})" if s.whole_trace else ""))
+                        + (f" (p = {_interval_p(s):.0e} that chance alone did it)" if s.whole_trace else ""))
     if s.collectives:
         evidence.append(f"arrived last in {s.last_arrivals} of its {s.collectives} collectives, keeping the other "
                         f"members waiting {duration(s.lag_caused_ns)} in total "
