@@ -21,7 +21,9 @@ import pytest
 from megatrace.check.host import HostThresholds, judge_allocation, judge_host, read_host, read_ib_ports
 from megatrace.check.network import judge_matrix, round_robin
 from megatrace.check.results import Status
-from megatrace.check.runner import assign_gpus
+from megatrace.check.output import grid
+from megatrace.check.results import ProbeResult, Subject
+from megatrace.check.runner import CheckReport, assign_gpus
 
 BIN = Path(sys.executable).parent
 DOUBLE = Path(__file__).parent / "nvml_double" / "fake_nvml.c"
@@ -128,6 +130,25 @@ def test_a_port_slower_than_its_models_ports_elsewhere_is_named() -> None:
     assert res[0].message == "port mlx5_0/1 runs at 200 Gb/s, the allocation's MT4129 InfiniBand ports at 400 (median)"
 
 
+def test_the_grid_puts_the_worst_node_first_and_counts_the_healthy_rest() -> None:
+    nodes = [f"n{i:02}" for i in range(40)]
+    res = [ProbeResult(p, Status.OK, Subject(n, g), "fine") for n in nodes for p, g in
+           (("gpu.ecc", 0), ("gpu.pcie", 0), ("node.shm", None))]
+    res += [ProbeResult("net.allreduce", Status.OK, Subject("n00"), "bus bandwidth fine"),  # all nodes'
+            ProbeResult("gpu.ecc", Status.FAIL, Subject("n17", 1), "2 uncorrected ECC errors"),
+            ProbeResult("gpu.ecc", Status.FAIL, Subject("n17", 2), "1 uncorrected ECC error"),
+            ProbeResult("net.link", Status.WARN, Subject("n21", peer="n03"), "link n21 ↔ n03: slow"),  # both ends'
+            ProbeResult("node.ib", Status.SKIP, Subject("n05"), "no InfiniBand port")]
+    lines = grid(CheckReport(nodes, res), ok_rows=5)
+    assert lines[0].split() == ["node", "verdict", "GPU", "errors", "GPU", "links", "NIC", "node", "network"]
+    assert lines[1].split() == ["n17", "FAIL", "FAIL", "2", "ok", "-", "ok", "ok"]
+    assert lines[2].split() == ["n03", "WARN", "ok", "ok", "-", "ok", "WARN"]
+    assert lines[3].split() == ["n21", "WARN", "ok", "ok", "-", "ok", "WARN"]
+    assert [line.split()[0] for line in lines[4:9]] == ["n00", "n01", "n02", "n04", "n05"]
+    assert lines[8].split() == ["n05", "OK", "ok", "ok", "-", "ok", "ok"]  # its NIC check skipped: '-'
+    assert lines[9] == "... and 32 more node(s), all ok (--json lists every result)"
+
+
 def test_host_facts_and_an_unusable_job_dir(tmp_path: Path) -> None:
     facts = read_host(str(tmp_path / "missing"))
     assert facts["cpus"] >= 1 and facts["mem_bytes"] > 0 and isinstance(facts["shm_free"], int)
@@ -222,6 +243,8 @@ def test_one_table_for_three_nodes_under_mpiexec(nvml_dir: Path, tmp_path: Path)
     assert lines[0].startswith("FAIL n2 GPU1") and "row remapping failed" in lines[0]
     assert [line for line in lines if "n1 GPU" in line] == [next(x for x in lines if x.startswith("WARN n1 GPU1"))]
     assert sum(line.startswith("verdict:") for line in lines) == 1  # one table, printed by task 0
+    head = next(i for i, line in enumerate(lines) if line.startswith("node "))  # the node x check grid
+    assert [line.split()[:2] for line in lines[head + 1:head + 4]] == [["n2", "FAIL"], ["n1", "WARN"], ["n3", "OK"]]
     doc = json.loads((tmp_path / "all.json").read_text())
     assert doc["nodes"] == ["n1", "n2", "n3"]
     bw = np.array(doc["matrix"]["bandwidth_gbps"], dtype=float)

@@ -248,6 +248,10 @@ def test_srun_n4_megatrace_check_prints_one_table_and_names_the_slow_node(lab, t
     lines = done.stdout.splitlines()
     assert lines[0].startswith("FAIL n3") and "net.node" in lines[0], done.stdout
     assert sum(line.startswith("verdict: fail (4 node(s)") for line in lines) == 1, done.stdout
+    head = next(i for i, line in enumerate(lines) if line.startswith("node "))  # the node x check grid
+    assert lines[head].split() == ["node", "verdict", "network"], done.stdout  # --only net
+    assert [line.split() for line in lines[head + 1:head + 5]] == [
+        ["n3", "FAIL", "FAIL"], ["n1", "OK", "ok"], ["n2", "OK", "ok"], ["n4", "OK", "ok"]], done.stdout
     doc = json.loads((tmp_path / "check.json").read_text())
     assert doc["nodes"] == ["n1", "n2", "n3", "n4"] and doc["exit_code"] == 4
     rows = [sorted(v for v in row if v is not None)[1] for row in doc["matrix"]["bandwidth_gbps"]]  # row medians

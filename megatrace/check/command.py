@@ -74,8 +74,8 @@ def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_d
     --level full the node x node bandwidth matrix: a slow row is a bad node, a
     slow cell a bad link). Every probe is bounded in time.
     """
-    from megatrace.check.runner import CheckOptions, Watchdog, node_name, prom_textfile as write_prom, run, table
-    from megatrace.check.runner import write_json
+    from megatrace.check.output import prom_textfile as write_prom, table, write_json
+    from megatrace.check.runner import CheckOptions, Watchdog, node_name, run
     from megatrace.check.thresholds import ThresholdsError, calibrated, load_thresholds, save_thresholds
 
     try:

@@ -201,7 +201,7 @@ def judge_matrix(nodes: list[str], bw: np.ndarray, t: NetThresholds = NetThresho
     n = len(nodes)
     if n < 3:  # with two nodes a slow link and a slow node look the same: report the pair
         if n == 2 and not np.isnan(bw[0, 1]):
-            return [ProbeResult("net.pair", Status.OK, Subject(nodes[0]), f"{nodes[0]} ↔ {nodes[1]}: "
+            return [ProbeResult("net.pair", Status.OK, Subject(nodes[0], peer=nodes[1]), f"{nodes[0]} ↔ {nodes[1]}: "
                                 f"{bw[0, 1]:.2f} GB/s", round(float(bw[0, 1]), 3))]
         return []
     res = []
@@ -219,7 +219,7 @@ def judge_matrix(nodes: list[str], bw: np.ndarray, t: NetThresholds = NetThresho
             if i in bad_rows or j in bad_rows or np.isnan(bw[i, j]):
                 continue
             if bw[i, j] < t.slow_ratio * overall:
-                res.append(ProbeResult("net.link", Status.WARN, Subject(nodes[i]),
+                res.append(ProbeResult("net.link", Status.WARN, Subject(nodes[i], peer=nodes[j]),
                                        f"link {nodes[i]} ↔ {nodes[j]}: {bw[i, j]:.2f} GB/s, "
                                        f"{bw[i, j] / overall:.0%} of the median", round(float(bw[i, j]), 3),
                                        round(overall * t.slow_ratio, 3),

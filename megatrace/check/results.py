@@ -22,14 +22,17 @@ class Status(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Subject:
-    """What a result is about: a node, or one GPU of it (index, UUID, PCI bus id)."""
+    """What a result is about: a node, one GPU of it (index, UUID, PCI bus id), or its link to a peer node."""
 
     node: str
     gpu: int | None = None
     uuid: str | None = None
     pci_bus: str | None = None
+    peer: str | None = None  # the other end of a network link
 
     def label(self) -> str:
+        if self.peer is not None:
+            return f"{self.node} ↔ {self.peer}"
         return self.node if self.gpu is None else f"{self.node} GPU{self.gpu}"
 
 

@@ -13,7 +13,6 @@ driver, a dead peer in a collective) becomes a failure with that reason.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -27,7 +26,6 @@ from megatrace.check.gpu import probe_gpus
 from megatrace.check.host import judge_allocation, judge_host, read_host, read_net_delay
 from megatrace.check.results import ProbeResult, Status, worst
 from megatrace.check.thresholds import Thresholds
-from megatrace.files import write_atomic
 
 EXIT = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 3, Status.FAIL: 4}  # 1: could not run, 2: bad usage
 LEVELS = ("quick", "full")
@@ -266,40 +264,3 @@ class Watchdog:
                              "(a probe or a peer is hung)\n")
             sys.stderr.flush()
             os._exit(EXIT[Status.FAIL])
-
-
-def table(report: CheckReport) -> str:
-    """One line per result that is not OK (worst first), then a line per node with its count of passed checks."""
-    bad = sorted((r for r in report.results if r.status not in (Status.OK, Status.SKIP)),
-                 key=lambda r: (-r.status.rank, r.subject.node, r.subject.gpu if r.subject.gpu is not None else -1))
-    lines = [f"{r.status.value.upper():4} {r.subject.label():20} {r.probe:16} {r.message}" for r in bad]
-    per_node: dict[str, dict[Status, int]] = {}
-    for r in report.results:
-        counts = per_node.setdefault(r.subject.node, {})
-        counts[r.status] = counts.get(r.status, 0) + 1
-    for node in sorted(per_node):
-        c = per_node[node]
-        lines.append(f"{'node':4} {node:20} {worst([r for r in report.results if r.subject.node == node]).value:16} "
-                     + ", ".join(f"{c[s]} {s.value}" for s in Status if c.get(s)))
-    lines.append(f"verdict: {report.status.value} ({len(report.nodes)} node(s), {len(report.results)} checks, "
-                 f"{report.elapsed_s:.1f} s)")
-    return "\n".join(lines)
-
-
-def prom_textfile(report: CheckReport, path: str | os.PathLike[str]) -> None:
-    """Node-exporter textfile metrics: one status gauge per check and subject (0 ok/skip, 1 warn, 2 fail)."""
-    level = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 1, Status.FAIL: 2}
-    lines = ["# HELP megatrace_check_status MegaTrace preflight: 0 ok, 1 warning, 2 failure",
-             "# TYPE megatrace_check_status gauge"]
-    for r in report.results:
-        gpu = f',gpu="{r.subject.gpu}"' if r.subject.gpu is not None else ""
-        lines.append(f'megatrace_check_status{{node="{_esc(r.subject.node)}",probe="{r.probe}"{gpu}}} {level[r.status]}')
-    write_atomic(path, "\n".join(lines) + "\n")  # node-exporter must never read half a file
-
-
-def _esc(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def write_json(report: CheckReport, path: str | os.PathLike[str]) -> None:
-    write_atomic(path, json.dumps(report.to_dict(), indent=1, default=str) + "\n")
