@@ -2,7 +2,8 @@
 
     python bench/import_accuracy.py [--runs 12] [--seed 0] [--steps 6]
 
-Each run is the real 8- or 4-rank demo (TP2 x PP2 x DP1 or DP2, torch.distributed over gloo) with one
+Each run is the real 4- or 8-rank demo (TP2 x PP2 x DP1, TP2 x PP2 x DP2 or TP2 x PP4 x DP1,
+torch.distributed over gloo) with one
 rank at half speed, or none (a healthy control, one run in three), chosen at random. The run is
 analysed four ways: its MegaTrace rings (the baseline, measured in the same run), its PyTorch Flight
 Recorder dumps (gloo: arrivals only), NCCL Inspector lines and Megatrace NCCL-patch logs written from
@@ -40,11 +41,16 @@ def stragglers(path: Path, fmt: str) -> list[int]:
     return [f.subject.rank for f in result.findings if f.kind == Kind.STRAGGLER]
 
 
-def one_run(out: Path, index: int, dp: int, slow: int | None, steps: int) -> dict[str, list[int]]:
+LAYOUTS = ((2, 2, 1), (2, 2, 2), (2, 4, 1))  # (tp, pp, dp)
+
+
+def one_run(out: Path, index: int, layout: tuple[int, int, int], slow: int | None,
+            steps: int) -> dict[str, list[int]]:
     """The demo run and what each format's analysis named."""
     os.environ.update({"TORCH_FR_BUFFER_SIZE": "2000", "MEGATRACE_DEMO_FR_DUMP": str(out / "fr")})
     faults = (f"slow:rank={slow},factor=2",) if slow is not None else ()
-    run_local(DemoOptions(tp=2, pp=2, dp=dp, steps=steps, faults=faults, out=out, stall_s=8.0), log=lambda m: None)
+    tp, pp, dp = layout
+    run_local(DemoOptions(tp=tp, pp=pp, dp=dp, steps=steps, faults=faults, out=out, stall_s=8.0), log=lambda m: None)
     trace = load_trace(out)
     write_inspector(trace, out / "inspector")
     (out / "inspector" / "layout.yaml").write_text((out / "layout.yaml").read_text())
@@ -66,13 +72,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mt-import-acc-") as scratch:
         tmp = args.keep or scratch
         for i in range(args.runs):
-            dp = rng.choice([1, 2])
-            slow = None if i % 3 == 2 else rng.randrange(4 * dp)
-            named = one_run(Path(tmp) / f"run{i}", i, dp, slow, args.steps)
+            layout = rng.choice(LAYOUTS)
+            slow = None if i % 3 == 2 else rng.randrange(layout[0] * layout[1] * layout[2])
+            named = one_run(Path(tmp) / f"run{i}", i, layout, slow, args.steps)
             want = [] if slow is None else [slow]
             for fmt in FORMATS:
                 right[fmt] += named[fmt] == want
-            print(f"run {i:2d}  TP2·PP2·DP{dp}  slow rank {'-' if slow is None else slow:>2}  "
+            print(f"run {i:2d}  TP{layout[0]}·PP{layout[1]}·DP{layout[2]}  slow rank {'-' if slow is None else slow:>2}  "
                   + "  ".join(f"{fmt} {named[fmt]}" for fmt in FORMATS), flush=True)
     base = right["rings"] / args.runs
     print(f"\n{'format':16} {'right':>7} {'share':>6} {'ratio to rings':>15}")

@@ -29,6 +29,7 @@ from megatrace.analyze.importers import detect_format  # noqa: E402
 from megatrace.analyze.importers.flight_recorder import find_dumps, read_dump  # noqa: E402
 from megatrace.analyze.importers.safe_pickle import UnsafePickleError, safe_loads  # noqa: E402
 from megatrace.analyze.load import load_trace  # noqa: E402
+from megatrace.analyze.stragglers import RankStats, _explain_neighbours  # noqa: E402
 from megatrace.analyze.traceset import TraceLoadError  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
@@ -141,6 +142,13 @@ def test_a_slow_rank_is_named_from_dumps_and_logs_without_completion_times(tmp_p
         (fault,) = json.loads((out / "fault.json").read_text())["faults"]
         assert named == [fault["rank"]] and result.findings[0].kind == Kind.STRAGGLER, result.findings[0].verdict
         assert from_logs == [fault["rank"]]
+        # An arrival-only import does not show how long a receive waited (a send's completion is inferred from
+        # its receiver), so the pipeline-replica rule applies to it though it has p2p records; not to the rings.
+        for path, applies in ((tmp_path / "logs", True), (out, False)):
+            stats = {r: RankStats(r, (r,), 0, 0, 0, 0, 0, 0, intervals=40, straggler=r in (0, 2),
+                                  interval_ratio={0: 1.2, 2: 1.7}.get(r, 1.0)) for r in range(4)}
+            kept, why = _explain_neighbours(load_trace(path), stats, [2, 0], [])
+            assert (kept, why) == (([2], {0: 2}) if applies else ([2, 0], {})), path
     else:
         assert named == [] and from_logs == []
 

@@ -22,6 +22,7 @@ from megatrace.analyze.engine import analyze  # noqa: E402
 from megatrace.analyze.findings import Kind  # noqa: E402
 from megatrace.analyze.importers import detect_format  # noqa: E402
 from megatrace.analyze.load import load_trace  # noqa: E402
+from megatrace.analyze.stragglers import RankStats, _explain_neighbours  # noqa: E402
 from megatrace.analyze.traceset import TraceLoadError, TraceSet  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
@@ -126,12 +127,25 @@ def test_a_healthy_run_names_no_straggler(tmp_path: Path) -> None:
 
 
 def test_the_straggler_is_told_from_its_waiting_pipeline_neighbour(tmp_path: Path) -> None:
-    """Rank 5 (stage 1) is slow; rank 1, its stage-0 neighbour, waits in receives the Inspector never records."""
-    trace, slow = run_demo(tmp_path / "slow5", 2, 2, 2, ("slow:rank=5,factor=2",))
+    """Rank 5 (stage 1, replica 0) is slow; ranks 0 and 1, its stage-0 neighbours, wait in receives the
+    Inspector never records, and may look slow too."""
+    trace, slow = run_demo(tmp_path / "slow5", 2, 2, 2, ("slow:rank=5,factor=3",))
     insp = inspector_of(trace, tmp_path / "insp")
     result = analyze(insp)
     assert stragglers(insp) == [slow]
-    assert any("rank 1 of its pipeline replica is slower too" in str(e) for e in result.findings[0].evidence)
+    explained = result.results["stragglers"].explained
+    assert set(explained) <= {0, 1} and set(explained.values()) <= {slow}, explained
+    for q in explained:
+        assert any(f"rank {q} of its pipeline replica is slower too" in str(e) for e in result.findings[0].evidence)
+    # The rule itself, on this trace's layout: of two flagged ranks of one replica the one further above its
+    # peers call by call stays, whichever stage it is in; a flagged rank of the other replica is not touched.
+    imported = load_trace(insp)
+    for weaker, stronger in ((1, 5), (5, 1)):
+        stats = {r: RankStats(r, (r,), 0, 0, 0, 0, 0, 0, intervals=40, straggler=r in (1, 5, 6),
+                              interval_ratio={weaker: 1.2, stronger: 1.7, 6: 1.1}.get(r, 1.0)) for r in range(8)}
+        notes: list[str] = []
+        kept, why = _explain_neighbours(imported, stats, [stronger, weaker, 6], notes)
+        assert kept == [stronger, 6] and why == {weaker: stronger} and not stats[weaker].straggler, (kept, why)
 
 
 def test_without_the_verbose_trace_times_come_from_the_dump(demo: tuple[TraceSet, int], tmp_path: Path) -> None:

@@ -261,14 +261,14 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
                         notes: list[str]) -> tuple[list[int], dict[int, int]]:
     """Unflag ranks that a stronger straggler of their own pipeline explains; returns (flagged, rank -> straggler).
 
-    Only for traces without point-to-point records: there a rank's wait in a pipeline receive counts as
-    compute, so the other stages of a slow rank's pipeline replica look slow too (its neighbours, and
+    Only for traces that do not show how long receives waited (no point-to-point records, or an arrival-only
+    import): there a rank's wait in a pipeline receive counts as compute, so the other stages of a slow rank's pipeline replica look slow too (its neighbours, and
     through their TP peers the ranks beside those), by a smaller ratio call by call. A rank is explained
     when a flagged rank of the same replica (same DP coordinate, another stage) exceeds its peers call
     by call by more: in each replica the strongest flagged rank stays.
     """
     layout = trace.layout
-    if layout is None or layout.pp < 2 or len(flagged) < 2 or _has_p2p(trace):
+    if layout is None or layout.pp < 2 or len(flagged) < 2 or _waits_seen(trace):
         return flagged, {}
     explained = {}
     for r in flagged:
@@ -282,6 +282,12 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
                 notes.append(f"rank {r} is slower than its peers, presumably waiting in receives from rank {q}")
                 break
     return [r for r in flagged if r not in explained], explained
+
+
+def _waits_seen(trace: TraceSet) -> bool:
+    """A receive's wait is communication, not compute: the trace records point-to-point calls and when they
+    completed (an arrival-only import infers a send's completion from its receiver, so waits leak into compute)."""
+    return trace.completion_times == "observed" and _has_p2p(trace)
 
 
 def _has_p2p(trace: TraceSet) -> bool:
@@ -460,18 +466,18 @@ def _impact(ctx, result: StragglerResult) -> None:
 
 
 def _neighbour_evidence(trace: TraceSet, res: StragglerResult, r: int) -> list[str]:
-    """What a trace without point-to-point records leaves open about the other stages of ``r``'s replica."""
+    """What a trace blind to receive waits leaves open about the other stages of ``r``'s replica."""
     out = [f"rank {q} of its pipeline replica is slower too, by {res.ranks[q].interval_ratio:.2f}x call by call: "
-           f"presumably its unrecorded receives waiting on rank {r} (this trace has no point-to-point records)"
+           f"presumably its receives waiting on rank {r} (this trace does not show how long receives waited)"
            for q, by in res.explained.items() if by == r]
     layout = trace.layout
-    if layout is not None and layout.pp > 1 and not _has_p2p(trace):
+    if layout is not None and layout.pp > 1 and not _waits_seen(trace):
         c = layout.coords(r)
         same = [q for q in res.stragglers if q != r and layout.coords(q).dp == c.dp and layout.coords(q).pp != c.pp]
         if same:
             who = f"rank {same[0]} is" if len(same) == 1 else f"ranks {rank_list(same)} are"
-            out.append(f"{who} flagged in another stage of its pipeline replica too; without point-to-point "
-                       "records a rank waiting in a receive looks slow, so one of them may only be waiting")
+            out.append(f"{who} flagged in another stage of its pipeline replica too; where a trace does not show "
+                       "how long receives waited, a rank waiting in one looks slow, so one of them may only be waiting")
     return out
 
 

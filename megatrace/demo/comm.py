@@ -39,10 +39,15 @@ class Comm:
         self.sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
         self.gate = gate
         self.tp_busy_s = 0.0  # time spent inside TP all_reduces, so compute time can exclude it
+        self.layer_pad_s = 0.0  # padding before each TP all_reduce: the layer's compute (StageRunner sets it)
+        self.padded_s = 0.0  # all such padding so far
 
     def all_reduce(self, tensor: torch.Tensor, kind: str) -> None:
         """Sum ``tensor`` in place over this rank's ``kind`` group."""
         if self.sizes[kind] > 1:
+            if kind == "tp" and self.layer_pad_s > 0:
+                time.sleep(self.layer_pad_s)
+                self.padded_s += self.layer_pad_s
             self.gate()
             start = time.perf_counter()
             dist.all_reduce(tensor, group=self.groups[kind])

@@ -50,12 +50,18 @@ class StageRunner:
         for k, (kind, mb) in enumerate(actions):
             if k:
                 self.on_action("forward" if kind == "F" else "backward", mb)
-            start, tp_busy = time.perf_counter(), self.comm.tp_busy_s
+            start, tp_busy, padded = time.perf_counter(), self.comm.tp_busy_s, self.comm.padded_s
+            # The padding is split like a layer's compute: a slice before each block's TP all_reduce, one at
+            # the end; a slow GPU stretches every layer, not only the time before the next pipeline send.
+            slices = 1 + (len(self.model) if self.comm.sizes["tp"] > 1 else 0)
+            pad_ms = (1.0 if kind == "F" else 2.0) * self.compute_ms / slices
+            self.comm.layer_pad_s = pad_ms / 1000.0 * self.slowdown()
             if kind == "F":
                 produced = self._forward(step, mb, received, len(actions) // 2, losses)
             else:
                 produced = self._backward(mb, received)
-            self._pad(start, tp_busy, (1.0 if kind == "F" else 2.0) * self.compute_ms)
+            self.comm.layer_pad_s = 0.0
+            self._pad(start, tp_busy, padded, pad_ms)
             stats.compute_s += time.perf_counter() - start - (self.comm.tp_busy_s - tp_busy)
             nxt = actions[k + 1] if k + 1 < len(actions) else None
             received = self._exchange(produced, self._needs(nxt) if nxt else [])
@@ -89,8 +95,8 @@ class StageRunner:
         torch.autograd.backward(out, grad)
         return [] if self.prev is None else [(inp.grad, self.prev)]
 
-    def _pad(self, start: float, tp_busy: float, pad_ms: float) -> None:
-        """Stretch the action to ``pad_ms`` of padding plus real compute, times this rank's slowdown."""
+    def _pad(self, start: float, tp_busy: float, padded: float, pad_ms: float) -> None:
+        """Stretch the action's real compute by this rank's slowdown, and pad ``pad_ms`` more, times it too."""
         factor = self.slowdown()
-        real = time.perf_counter() - start - (self.comm.tp_busy_s - tp_busy)
+        real = time.perf_counter() - start - (self.comm.tp_busy_s - tp_busy) - (self.comm.padded_s - padded)
         time.sleep(max(0.0, pad_ms / 1000.0 * factor + real * (factor - 1.0)))
