@@ -187,11 +187,15 @@ def layout_from_dict(data: Any, source: str = "<dict>") -> Layout:
 
 
 def read_yaml(path: str | Path, error: type[Exception] = LayoutError, what: str = "layout") -> Any:
-    """The parsed content of a YAML file; an unreadable file or bad YAML raises ``error`` naming the file."""
+    """The parsed content of a YAML file; an unreadable file, one that is not UTF-8 text, or bad YAML raises
+    ``error`` naming the file."""
     try:
-        return yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except OSError as exc:
         raise error(f"{path}: cannot read {what}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: cannot read {what}: not UTF-8 text (byte {exc.start} is 0x{exc.object[exc.start]:02x})"
+                    ) from None
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML: {exc}") from None
 

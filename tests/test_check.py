@@ -14,6 +14,7 @@ import sys
 import time
 from itertools import combinations
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -159,7 +160,7 @@ def test_host_facts_and_an_unusable_job_dir(tmp_path: Path) -> None:
 @pytest.mark.parametrize("visible, expected", [
     ([["0"], ["1"], ["2"]], [["0"], ["1"], ["2"]]),  # bound one GPU per task: each its own
     ([["0", "1"], ["1", "2"]], [["0", "1"], ["2"]]),  # a GPU two tasks see: the first of them
-    ([["0", "1"], ["0", "1"]], [None, []]),  # all see the same GPUs: the first task checks every GPU
+    ([["0", "1"], ["0", "1"]], [["0", "1"], []]),  # all see the same GPUs: the first task checks those
     ([None, None], [None, []]),  # CUDA_VISIBLE_DEVICES unset
     ([["GPU-aa"], ["GPU-bb"]], [["GPU-aa"], ["GPU-bb"]]),  # by UUID
     ([["MIG-aa"], ["MIG-bb"]], [None, []]),  # MIG instances: the first task checks the GPUs they live on
@@ -178,8 +179,9 @@ def nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _conf(path: Path, text: str) -> str:
-    path.write_text(text)
+def _conf(path: Path, fixture: dict[str, Any]) -> str:
+    """Write the NVML double's JSON fixture (a flat object of its dotted keys, see fake_nvml.c); its path."""
+    path.write_text(json.dumps(fixture))
     return str(path)
 
 
@@ -187,25 +189,26 @@ def _env(nvml_dir: Path, conf: str) -> dict[str, str]:
     """The test's NVML double, and limits that this machine's small /dev/shm (a container's 64 MiB) passes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "SLURM_", "OMPI_", "MPI_"))}
     limits = Path(conf).with_name("limits.yaml")
-    limits.write_text("node: {min_free_shm_mib: 0, min_free_job_mib: 0}\n")
+    # More busy-polling MPI tasks than cores: a single round trip can take ms; a latency floor above that noise.
+    limits.write_text("node: {min_free_shm_mib: 0, min_free_job_mib: 0}\nnet: {latency_floor_us: 10000}\n")
     return {**env, "LD_LIBRARY_PATH": str(nvml_dir), "FAKE_NVML_CONFIG": conf, "MEGATRACE_THRESHOLDS": str(limits)}
 
 
 def test_exit_codes_json_and_prometheus_on_one_node(nvml_dir: Path, tmp_path: Path) -> None:
     cmd = [str(BIN / "megatrace-check"), "--expect-gpus", "2", "--node", "n9"]
-    ok = subprocess.run(cmd, env=_env(nvml_dir, _conf(tmp_path / "a", "gpus=2\n")), capture_output=True, text=True)
+    ok = subprocess.run(cmd, env=_env(nvml_dir, _conf(tmp_path / "a", {"gpus": 2})), capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.splitlines()[-1].startswith("verdict: ok")
     warn = subprocess.run(cmd + ["--json", str(tmp_path / "w.json"), "--prom-textfile", str(tmp_path / "w.prom")],
-                          env=_env(nvml_dir, _conf(tmp_path / "b", "gpus=2\ngpu1.pcie_width=4\n")),
+                          env=_env(nvml_dir, _conf(tmp_path / "b", {"gpus": 2, "gpu1.pcie_width": 4})),
                           capture_output=True, text=True)
     assert warn.returncode == 3, warn.stdout + warn.stderr
     assert "WARN n9 GPU1" in warn.stdout and "PCIe link x4 of x16" in warn.stdout
     doc = json.loads((tmp_path / "w.json").read_text())
     assert doc["status"] == "warn" and doc["exit_code"] == 3
     assert 'megatrace_check_status{node="n9",probe="gpu.pcie",gpu="1"} 1' in (tmp_path / "w.prom").read_text()
-    only = subprocess.run(cmd + ["--only", "gpu.ecc"], env=_env(nvml_dir, _conf(tmp_path / "c", "gpus=2\n"
-                                                                             "gpu1.pcie_width=4\ngpu0.ecc_dbe=1\n")),
+    only = subprocess.run(cmd + ["--only", "gpu.ecc"], env=_env(nvml_dir, _conf(tmp_path / "c", {
+        "gpus": 2, "gpu1.pcie_width": 4, "gpu0.ecc_dbe": 1})),
                           capture_output=True, text=True)
     assert only.returncode == 4 and "gpu.ecc" in only.stdout and "gpu.pcie" not in only.stdout
 
@@ -213,19 +216,113 @@ def test_exit_codes_json_and_prometheus_on_one_node(nvml_dir: Path, tmp_path: Pa
 def test_a_hung_probe_is_a_failure_not_a_hung_prolog(nvml_dir: Path, tmp_path: Path) -> None:
     t = time.monotonic()
     done = subprocess.run([str(BIN / "megatrace-check"), "--expect-gpus", "1", "--timeout", "4"],
-                          env=_env(nvml_dir, _conf(tmp_path / "h", "gpus=1\ngpu0.hang_ms=60000\n")),
+                          env=_env(nvml_dir, _conf(tmp_path / "h", {"gpus": 1, "gpu0.hang_ms": 60000})),
                           capture_output=True, text=True, timeout=60)
     assert time.monotonic() - t < 30
     assert done.returncode == 4 and "NVML did not answer within 2 s" in done.stdout
+
+
+def test_a_peer_hung_in_the_network_test_fails_that_probe_and_still_reports(nvml_dir: Path, tmp_path: Path) -> None:
+    """The watchdog: the all-reduce hangs on a node (a 10 s wait before each message it sends, by the site's
+    drill file): the run ends at --timeout with exit 4, naming the probe that hung, and the table, the JSON
+    and the drain reason still hold what was found until then."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "slow-net-n2").write_text("10000\n")
+    env = {**_env(nvml_dir, _conf(tmp_path / "c", {"gpus": 0})), "MEGATRACE_SITE_DIR": str(site)}
+    cmd = [str(BIN / "megatrace-check"), "--only", "node", "--only", "net", "--timeout", "5"]
+    argv = [str(BIN / "mpiexec"), "-n", "1", "-env", "SLURMD_NODENAME", "n1", *cmd, "--json", str(tmp_path / "o.json"),
+            "--reason-file", str(tmp_path / "reason"), ":", "-n", "1", "-env", "SLURMD_NODENAME", "n2", *cmd]
+    t = time.monotonic()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t < 60
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert done.stdout.startswith("FAIL n1") and "net.allreduce did not finish within 5 s" in done.stdout, done.stdout
+    assert "verdict: fail (2 node(s)" in done.stdout
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["exit_code"] == 4 and doc["results"][-1]["probe"] == "net.allreduce"
+    assert any(r["probe"] == "node.shm" for r in doc["results"])  # found before the hang: kept
+    assert (tmp_path / "reason").read_text().startswith("megatrace: net.allreduce did not finish within 5 s")
+
+
+def test_the_drain_reason_names_the_gpu_and_the_fault(nvml_dir: Path, tmp_path: Path) -> None:
+    """What the prolog drains the node with (MEGATRACE_CHECK_REASON_FILE): the worst problem, GPU first."""
+    env = {**_env(nvml_dir, _conf(tmp_path / "c", {"gpus": 2, "gpu1.xid_event": "79", "gpu0.pcie_width": 8})),
+           "MEGATRACE_CHECK_REASON_FILE": str(tmp_path / "reason")}
+    done = subprocess.run([str(BIN / "megatrace-check"), "--expect-gpus", "2"], env=env, capture_output=True, text=True)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert (tmp_path / "reason").read_text().startswith("megatrace: GPU1 XID 79")
+    healthy = subprocess.run([str(BIN / "megatrace-check"), "--expect-gpus", "2"], capture_output=True, text=True,
+                             env={**env, "FAKE_NVML_CONFIG": _conf(tmp_path / "ok", {"gpus": 2})})
+    assert healthy.returncode == 0 and (tmp_path / "reason").read_text() == "\n"  # no stale reason left
+
+
+def test_a_shared_node_judges_only_the_jobs_gpus(nvml_dir: Path, tmp_path: Path) -> None:
+    """A job given 4 of 8 GPUs (SLURM_JOB_GPUS in the prolog, CUDA_VISIBLE_DEVICES in a step): another job's
+    process on GPU 6 is not this job's problem, and 8 GPUs on the node are not 'too many'."""
+    conf = _conf(tmp_path / "c", {"gpus": 8, "gpu6.procs": "99:8589934592"})
+    for var in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
+        env = {**_env(nvml_dir, conf), var: "0,1,2,3", "SLURM_GPUS_ON_NODE": "4"}
+        done = subprocess.run([str(BIN / "megatrace-check"), "--json", str(tmp_path / "j.json")], env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, (var, done.stdout + done.stderr)
+        gpus = {r["subject"]["gpu"] for r in json.loads((tmp_path / "j.json").read_text())["results"]}
+        assert gpus == {None, 0, 1, 2, 3}, var
+    lost = {**_env(nvml_dir, _conf(tmp_path / "seven", {"gpus": 7})), "SLURM_JOB_GPUS": "4,7", "SLURM_GPUS_ON_NODE": "2"}
+    done = subprocess.run([str(BIN / "megatrace-check")], env=lost, capture_output=True, text=True)
+    assert done.returncode == 4 and "allocated GPU 7 not found among the 7 GPUs" in done.stdout, done.stdout
+    exclusive = {**_env(nvml_dir, _conf(tmp_path / "e", {"gpus": 7})), "SLURM_GPUS_ON_NODE": "8"}
+    done = subprocess.run([str(BIN / "megatrace-check")], env=exclusive, capture_output=True, text=True)
+    assert done.returncode == 4 and "7 GPUs visible, 8 allocated" in done.stdout, done.stdout
+
+
+def test_calibration_refuses_an_allocation_that_failed(nvml_dir: Path, tmp_path: Path) -> None:
+    """A site's floor must come from healthy nodes: a failing check writes no thresholds file."""
+    argv = [str(BIN / "mpiexec"), "-n", "2", str(BIN / "megatrace-check"), "--calibrate", str(tmp_path / "cal.yaml"),
+            "--timeout", "60"]
+    bad = subprocess.run(argv, env=_env(nvml_dir, _conf(tmp_path / "c", {"gpus": 1, "gpu0.ecc_dbe": 1})),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 4 and "not calibrating" in bad.stderr and not (tmp_path / "cal.yaml").exists()
+    good = subprocess.run(argv, env=_env(nvml_dir, _conf(tmp_path / "g", {"gpus": 1})), capture_output=True,
+                          text=True, timeout=120)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "min_busbw_gbps" in (tmp_path / "cal.yaml").read_text()
+
+
+def test_only_refuses_a_name_that_is_no_probe() -> None:
+    """A typo in a prolog's CHECK_CMD must not silently check nothing."""
+    done = subprocess.run([str(BIN / "megatrace-check"), "--only", "gpus"], capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown probe 'gpus'" in done.stderr and "gpu.{nvml" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_every_probe_a_check_reports_is_in_the_registry(nvml_dir: Path, tmp_path: Path) -> None:
+    """--only and --help list the registry: every result name the checks produce must be in it."""
+    from megatrace.check.probes import KNOWN
+
+    faults = {"gpus": 3, "gpu0.ecc_dbe": 1, "gpu0.pcie_width": 8, "gpu1.temp": 90, "gpu1.procs": "5:4294967296",
+              "gpu2.nvlinks": 18, "gpu2.nvlink_down": "3", "gpu2.xid_event": "13", "gpu2.mig": 1,
+              "gpu2.persistence": 0, "gpu2.power_limit": 500000, "gpu0.remap_failure": 1, "gpu1.clock_events": "0x8"}
+    done = subprocess.run([str(BIN / "mpiexec"), "-n", "3", str(BIN / "megatrace-check"), "--level", "full",
+                           "--json", str(tmp_path / "all.json"), "--timeout", "90", "--job-dir", str(tmp_path),
+                           "--ring-dir", str(tmp_path)],
+                          env=_env(nvml_dir, _conf(tmp_path / "c", faults)), capture_output=True, text=True, timeout=150)
+    assert done.returncode == 4, done.stdout + done.stderr
+    produced = {r["probe"] for r in json.loads((tmp_path / "all.json").read_text())["results"]}
+    nodes = [f"n{i}" for i in range(4)]
+    slow = _matrix(4)
+    slow[1, :] = slow[:, 1] = 1.0
+    produced |= {r.probe for r in judge_matrix(nodes, slow)} | {r.probe for r in judge_matrix(nodes[:2], slow[:2, :2])}
+    assert len(produced) > 15 and produced <= KNOWN, produced - KNOWN
 
 
 def test_one_table_for_three_nodes_under_mpiexec(nvml_dir: Path, tmp_path: Path) -> None:
     mpiexec = BIN / "mpiexec"
     if not mpiexec.exists():
         pytest.fail("mpiexec (the mpich wheel) is missing from the environment: make install brings it")
-    healthy = _conf(tmp_path / "ok.conf", "gpus=2\n")
-    broken = _conf(tmp_path / "bad.conf", "gpus=2\ngpu1.remap_failure=1\n")
-    narrow = _conf(tmp_path / "narrow.conf", "gpus=2\ngpu1.pcie_width=8\n")
+    healthy = _conf(tmp_path / "ok.json", {"gpus": 2})
+    broken = _conf(tmp_path / "bad.json", {"gpus": 2, "gpu1.remap_failure": 1})
+    narrow = _conf(tmp_path / "narrow.json", {"gpus": 2, "gpu1.pcie_width": 8})
     cmd = [str(BIN / "megatrace-check"), "--level", "full", "--timeout", "90",
            "--json", str(tmp_path / "all.json")]  # only task 0 writes it
     argv = [str(mpiexec)]
@@ -265,7 +362,7 @@ def test_the_all_reduce_through_torch_distributed(nvml_dir: Path, tmp_path: Path
     pytest.importorskip("torch")
     argv = [str(BIN / "mpiexec"), "-n", "3", str(BIN / "megatrace-check"), "--only", "net", "--net-backend", backend,
             "--json", str(tmp_path / "net.json"), "--timeout", "90"]
-    done = subprocess.run(argv, env=_env(nvml_dir, _conf(tmp_path / "c", "gpus=0\n")), capture_output=True,
+    done = subprocess.run(argv, env=_env(nvml_dir, _conf(tmp_path / "c", {"gpus": 0})), capture_output=True,
                           text=True, timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr
     (res,) = [r for r in json.loads((tmp_path / "net.json").read_text())["results"] if r["probe"] == "net.allreduce"]

@@ -94,6 +94,16 @@ def test_deduplication_rate_limit_and_recurrence(tmp_path: Path) -> None:
         assert len(burst.sent) == 1 and len(burst.suppressed) == 5  # 2 already sent this hour; cap 3
 
 
+def test_two_gpus_failing_one_check_are_two_alerts(tmp_path: Path) -> None:
+    """Deduplication goes by node, check and part: GPU1's ECC errors do not silence GPU5's."""
+    with History(tmp_path / "h.db") as h:
+        sent = dispatch([Alert("n1", "gpu.ecc", "fail", "2 uncorrected", part="GPU1"),
+                         Alert("n1", "gpu.ecc", "fail", "1 uncorrected", part="GPU5"),
+                         Alert("n1", "gpu.ecc", "fail", "2 uncorrected", part="GPU1")], AlertConfig(), h, now=10.0)
+        assert sorted(a.key for a in sent.sent) == ["n1:gpu.ecc:GPU1", "n1:gpu.ecc:GPU5"]
+        assert len(sent.suppressed) == 1
+
+
 def test_checks_racing_on_one_history_send_one_alert(tmp_path: Path) -> None:
     """Health checks of one node overlapping (slurmd starts one while the last still runs): one alert."""
     import multiprocessing

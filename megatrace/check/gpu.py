@@ -14,13 +14,14 @@ count) then come from one task only (``node_level``).
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import json
 import os
-import fnmatch
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatrace.check.results import ProbeResult, Status, Subject
@@ -39,7 +40,11 @@ XID_LINE = re.compile(r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F:.]+)\): (?P<xid>\d+)(
 
 @dataclass(frozen=True)
 class GpuThresholds:
-    """Limits a GPU is held against (the site's ``configs/thresholds.yaml`` may override them)."""
+    """Limits a GPU is held against (the site's ``configs/thresholds.yaml`` may override them).
+
+    ``models`` holds per-model overrides: (NVML name pattern, {limit: value}) pairs, each setting only the
+    limits it names; :meth:`for_model` lays the first matching one over the others.
+    """
 
     temp_margin_c: int = 5  # warn this close to the slowdown temperature, fail at it
     ecc_sbe_warn: int = 100  # volatile single-bit (corrected) errors since boot
@@ -48,15 +53,18 @@ class GpuThresholds:
     nvlinks: int = 0  # NVLinks each GPU must have up (0: any; a model section sets it, e.g. 18 for H100 SXM)
     nvlink_errors_warn: int = 100  # replay, recovery and CRC errors of one link since boot
     retired_pages_fail: int = 60  # pages retired (pre-Ampere page retirement; the GPU's limit is 64)
-    models: tuple[tuple[str, "GpuThresholds"], ...] = ()  # (name pattern, limits) from the file's models section
+    # (name pattern, the limits it sets): the file's models section, or the built-in ones
+    models: tuple[tuple[str, dict[str, int]], ...] = field(default=(), hash=False)
 
-    def for_model(self, name: Any) -> "GpuThresholds":
-        """The limits for a GPU called ``name``: the first models pattern that matches it (case-insensitive)."""
+    def for_model(self, name: Any) -> GpuThresholds:
+        """The limits for a GPU called ``name``: these, with the limits that the first ``models`` pattern matching
+        it (fnmatch, case-insensitive) sets in place of theirs; without a match, these (``models`` left out)."""
+        own = dataclasses.replace(self, models=())
         if isinstance(name, str):
-            for pattern, limits in self.models:
+            for pattern, overrides in self.models:
                 if fnmatch.fnmatch(name.lower(), pattern.lower()):
-                    return limits
-        return self
+                    return dataclasses.replace(own, **overrides)
+        return own
 
 
 def parse_xids(text: str) -> list[dict[str, Any]]:
@@ -68,9 +76,19 @@ def parse_xids(text: str) -> list[dict[str, Any]]:
 
 
 def _bus_key(pci: str) -> str:
-    """``0000:3b:00`` or ``00000000:3B:00.0`` -> ``3b:00`` (bus and device: how the two notations agree)."""
-    parts = pci.lower().split(".")[0].split(":")
-    return ":".join(parts[-2:])
+    """The kernel's ``0019:3b:00`` or NVML's ``00000019:3B:00.0`` -> ``0019:3b:00``: PCI domain, bus and device in
+    one notation (a GPU per domain, as on Grace Hopper, shares bus and device numbers with the others)."""
+    parts = pci.strip().lower().split(".")[0].split(":")
+    try:
+        numbers = [int(p, 16) for p in parts]
+    except ValueError:
+        return pci.strip().lower()
+    if len(numbers) == 2:  # bus:device, no domain: domain 0
+        numbers.insert(0, 0)
+    if len(numbers) != 3:
+        return pci.strip().lower()
+    domain, bus, device = numbers
+    return f"{domain:04x}:{bus:02x}:{device:02x}"
 
 
 def read_kernel_xids(timeout_s: float = 5.0) -> list[dict[str, Any]] | dict[str, str]:
@@ -103,7 +121,8 @@ def selected(index: int, uuid: Any, select: list[str] | None) -> bool:
 def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
     """Every NVML fact the checks need, as plain data; errors become strings, never exceptions.
 
-    Only the GPUs in ``select`` (see :func:`selected`) are read in full; ``count`` is every GPU's.
+    Only the GPUs in ``select`` (see :func:`selected`) are read in full; ``count`` is every GPU's. A GPU NVML
+    cannot open (lost, fallen off the bus) is ``{"index": i, "error": ...}``; the others are still read.
     """
     try:
         import pynvml
@@ -122,12 +141,20 @@ def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
             out["error"] = count["error"]
             return out
         out["count"] = count
-        handles = []
+        handles, uuids, unopened = [], [], []
         for i in range(count):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            h = _call(pynvml.nvmlDeviceGetHandleByIndex, i)
+            if isinstance(h, dict):
+                unopened.append({"index": i, "error": h["error"]})
+                continue
             uuid = _call(pynvml.nvmlDeviceGetUUID, h)
+            uuids.append(uuid)
             if selected(i, uuid, select):
                 handles.append((i, h, uuid))
+        # a GPU that cannot be opened has no UUID: it is this task's if selected by index, or if one of the task's
+        # UUIDs names no GPU that could be opened
+        orphan = select is not None and any(t.startswith("GPU-") and not any(
+            isinstance(u, str) and u.startswith(t) for u in uuids) for t in select)
         events = XidEvents(pynvml, [h for _, h, _ in handles])  # Xids that happen while the facts are read
         for i, h, uuid in handles:
             pci = _call(pynvml.nvmlDeviceGetPciInfo_v3, h)
@@ -161,6 +188,12 @@ def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
             })
         for g, (_, h, _) in zip(out["gpus"], handles):
             g["xid_events"] = events.drain(h)
+        out["gpus"] = sorted(out["gpus"] + [g for g in unopened if orphan or selected(g["index"], None, select)],
+                             key=lambda g: g["index"])
+        if select is not None:  # the job's GPUs that NVML does not show at all (a lost UUID counts as unopened)
+            out["select"] = select
+            out["missing"] = [t for t in select if not (t.isdigit() and int(t) < count) and not (
+                t.startswith("GPU-") and (orphan or any(isinstance(u, str) and u.startswith(t) for u in uuids)))]
         return out
     finally:
         try:
@@ -306,15 +339,29 @@ def judge_gpus(facts: dict[str, Any], node: str, expected: int | None,
         out.append(ProbeResult("gpu.driver", Status.OK, here, f"driver {facts.get('driver')}, CUDA "
                                f"{_cuda(facts.get('cuda'))}", value={"driver": facts.get("driver"),
                                                                      "cuda": facts.get("cuda")}))
-    if node_level and expected is not None and count != expected:
+    select, missing = facts.get("select"), facts.get("missing") or []
+    lost = "A GPU fell off the bus or is hidden: check `nvidia-smi -L` and the kernel log for XID 79; drain the node."
+    # The job's own GPUs known (a shared node): the node may have more than the job got, not fewer.
+    if node_level and expected is not None and (count < expected or (select is None and count != expected)):
         out.append(ProbeResult("gpu.count", Status.FAIL, here, f"{count} GPUs visible, {expected} allocated",
-                               value=count, threshold=expected,
-                               remediation="A GPU fell off the bus or is hidden: check `nvidia-smi -L` and "
-                                           "the kernel log for XID 79; drain the node."))
+                               value=count, threshold=expected, remediation=lost))
+    elif missing:
+        out.append(ProbeResult("gpu.count", Status.FAIL, here, f"allocated GPU {', '.join(missing)} not found among "
+                               f"the {count} GPUs NVML sees", value=count, threshold=select, remediation=lost))
+    elif node_level and select is not None and count != len(select):
+        out.append(ProbeResult("gpu.count", Status.OK, here, f"{count} GPUs on the node; the job's "
+                               f"{expected if expected is not None else len(select)} present and checked",
+                               value=count, threshold=expected))
     elif node_level:
         out.append(ProbeResult("gpu.count", Status.OK, here, f"{count} GPUs", value=count, threshold=expected))
     xids = facts.get("xids")
     for g in gpus:
+        if "error" in g:  # NVML could not open it: nothing else to read
+            out.append(ProbeResult("gpu.nvml", Status.FAIL, Subject(node, g["index"]),
+                                   f"NVML cannot open the GPU: {g['error']}", g["error"], None,
+                                   "The driver lost this GPU: look for XID 79 (fallen off the bus) in the kernel log; "
+                                   "reset it (nvidia-smi -r) or reboot the node, and drain it until it passes again."))
+            continue
         out += _judge_one(node, g, thresholds.for_model(g.get("name")))
         seen = None  # the GPU's Xids: from the kernel log where readable, and from NVML events
         if isinstance(xids, list) and isinstance(g.get("pci_bus"), str):
@@ -443,13 +490,7 @@ def _judge_one(node: str, g: dict[str, Any], t: GpuThresholds) -> list[ProbeResu
             add("retired", Status.OK, f"{total} pages retired", total, t.retired_pages_fail)
     procs = g.get("procs")
     if not unsupported("memory", procs):
-        held = sum(p["bytes"] for p in procs) >> 20
-        if held >= t.stray_memory_mib:
-            pids = ", ".join(str(p["pid"]) for p in procs)
-            add("memory", Status.FAIL, f"{held} MiB held by processes {pids} before the job starts", held,
-                t.stray_memory_mib, "A previous job left processes on the GPU: kill them or drain the node.")
-        else:
-            add("memory", Status.OK, f"{held} MiB held by other processes", held, t.stray_memory_mib)
+        _judge_memory(procs, t, add)
     links = g.get("nvlinks")
     if links is not None and not unsupported("nvlink", links):
         _judge_nvlinks(links, t, add)
@@ -460,6 +501,27 @@ def _judge_one(node: str, g: dict[str, Any], t: GpuThresholds) -> list[ProbeResu
         add("persistence", Status.WARN, "persistence mode is off (slow first CUDA call, flaky clocks)", 0, 1,
             "nvidia-smi -pm 1, or run nvidia-persistenced.")
     return res
+
+
+def _judge_memory(procs: list[dict[str, Any]], t: GpuThresholds, add: Any) -> None:
+    """Memory held by processes before the job: too much fails; a process whose amount NVML cannot report (None:
+    MIG, containers) is named, and warns where what is known stays below the limit."""
+    known = [p for p in procs if isinstance(p.get("bytes"), int)]
+    unknown = [str(p["pid"]) for p in procs if not isinstance(p.get("bytes"), int)]
+    held = sum(p["bytes"] for p in known) >> 20
+    if held >= t.stray_memory_mib:
+        pids = ", ".join(str(p["pid"]) for p in procs)
+        add("memory", Status.FAIL, f"{held} MiB held by processes {pids} before the job starts"
+            + (f" ({', '.join(unknown)}: amount unknown)" if unknown else ""), held, t.stray_memory_mib,
+            "A previous job left processes on the GPU: kill them or drain the node.")
+    elif unknown:
+        who = f"process {unknown[0]} holds" if len(unknown) == 1 else f"processes {', '.join(unknown)} hold"
+        also = f"; {held} MiB held by {', '.join(str(p['pid']) for p in known)}" if known else ""
+        add("memory", Status.WARN, f"{who} an unknown amount of GPU memory before the job starts (NVML cannot "
+            f"report it){also}", held, t.stray_memory_mib, "A previous job may have left processes on the GPU: "
+            "check them (nvidia-smi, ps); kill them or drain the node.")
+    else:
+        add("memory", Status.OK, f"{held} MiB held by other processes", held, t.stray_memory_mib)
 
 
 def _judge_nvlinks(links: list[dict[str, Any]], t: GpuThresholds, add: Any) -> None:

@@ -31,6 +31,13 @@ IB_ROOT = Path("/sys/class/infiniband")
 SITE_DIR = Path("/etc/megatrace")  # root-owned site files: fail-preflight-<node> injects a failure (drills, tests)
 
 
+# Error counters of an InfiniBand/RoCE port (sysfs ``ports/<n>/counters``), judged against ``ib_<name>_warn``.
+# They count since boot or the last reset, and saturate: link_downed and link_error_recovery are 8-bit,
+# local_link_integrity_errors and excessive_buffer_overrun_errors 4-bit (15 at most), the others 16-bit.
+IB_COUNTERS = ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors",
+               "local_link_integrity_errors", "excessive_buffer_overrun_errors", "port_xmit_discards")
+
+
 @dataclass(frozen=True)
 class HostThresholds:
     min_free_shm_mib: int = 1024  # /dev/shm: NCCL and the rings live there
@@ -41,16 +48,41 @@ class HostThresholds:
     clock_offset_warn_ms: float = 50.0  # wall clocks this far from the allocation's median
     clock_offset_fail_ms: float = 1000.0
     nic_rate_ratio_warn: float = 0.75  # a port slower than this share of the same model's ports elsewhere
-    nics: tuple[tuple[str, float], ...] = ()  # (HCA type or board id pattern, Gb/s its ports must run at)
+    # A port warns when an error counter reaches its limit (0: that counter is not judged).
+    ib_symbol_error_warn: int = 100  # bit errors on the wire, mostly corrected by FEC: many mean a bad cable
+    ib_link_downed_warn: int = 1  # the link went down and up again (a flap: collectives on it stalled or failed)
+    ib_link_error_recovery_warn: int = 10  # the link retrained without going down: a stall each time
+    ib_port_rcv_errors_warn: int = 100  # packets received malformed (CRC, length): dropped and resent
+    ib_local_link_integrity_errors_warn: int = 10  # physical errors past the link's tolerance (4-bit counter)
+    ib_excessive_buffer_overrun_errors_warn: int = 10  # receive buffer overruns (4-bit counter)
+    ib_port_xmit_discards_warn: int = 1000  # packets dropped on send (congestion, a peer gone): some are normal
+    # Per NIC: (pattern, Gb/s every port it matches must run at; 0: the port is not in use and not judged).
+    # A pattern matches the HCA type or board id (a model) or the device or port name ("mlx5_1", "mlx5_1/1").
+    nics: tuple[tuple[str, float], ...] = ()
 
     def nic_rate(self, port: dict[str, Any]) -> tuple[str, float] | None:
-        """(pattern, Gb/s) of the first ``nics`` entry matching the port's HCA type or board id."""
-        for pattern, rate in self.nics:
-            for key in ("hca_type", "board_id"):
-                value = port.get(key)
-                if isinstance(value, str) and fnmatch.fnmatch(value.lower(), pattern.lower()):
-                    return pattern, rate
-        return None
+        """(pattern, Gb/s) of the first ``nics`` entry with a rate that matches the port."""
+        return next(((pattern, rate) for pattern, rate in self.nics if rate > 0 and _nic_match(pattern, port)),
+                    None)
+
+    def nic_ignored(self, port: dict[str, Any]) -> str | None:
+        """The pattern of a ``nics`` entry that marks the port unused (rate 0, ``ignore:``), or None."""
+        return next((pattern for pattern, rate in self.nics if rate <= 0 and _nic_match(pattern, port)), None)
+
+    def ib_limit(self, counter: str) -> int:
+        """The warning limit of an error counter (0: not judged)."""
+        return int(getattr(self, f"ib_{counter}_warn", 0))
+
+
+def port_name(port: dict[str, Any]) -> str:
+    """``<device>/<port>`` as sysfs names it: ``mlx5_0/1``."""
+    return f"{port.get('device')}/{port.get('port')}"
+
+
+def _nic_match(pattern: str, port: dict[str, Any]) -> bool:
+    """fnmatch (case-insensitive) on the port's HCA type, board id, device or device/port name."""
+    values = (port.get("hca_type"), port.get("board_id"), port.get("device"), port_name(port))
+    return any(isinstance(v, str) and fnmatch.fnmatch(v.lower(), pattern.lower()) for v in values)
 
 
 RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec")  # sysfs ``rate``: "400 Gb/sec (4X NDR)"
@@ -153,8 +185,7 @@ def read_ib_ports(root: Path = IB_ROOT) -> list[dict[str, Any]]:
                                      "link_layer": _read(port / "link_layer"), "hca_type": _read(dev / "hca_type"),
                                      "board_id": _read(dev / "board_id"), "fw_ver": _read(dev / "fw_ver")}
             counters = {}
-            for name in ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors",
-                         "local_link_integrity_errors", "excessive_buffer_overrun_errors"):
+            for name in IB_COUNTERS:
                 value = _read(port / "counters" / name)
                 if value is not None and value.isdigit():
                     counters[name] = int(value)
@@ -185,7 +216,7 @@ def _versions() -> dict[str, str]:
 
 
 def judge_host(facts: dict[str, Any], node: str, t: HostThresholds = HostThresholds()) -> list[ProbeResult]:
-    """Checks of one node on its own: free space and its network ports."""
+    """Checks of one node on its own: the injected drill, the tracer, free space, and each network port."""
     here = Subject(node)
     res = []
     injected = facts.get("injected")
@@ -219,38 +250,56 @@ def judge_host(facts: dict[str, Any], node: str, t: HostThresholds = HostThresho
                                "" if status == Status.OK else f"Free space in {label}: traces, NCCL and "
                                                               "checkpoints need it."))
     for p in facts.get("ib_ports", []):
-        subj = Subject(node)
-        where = f"{p['device']}/{p['port']}"
-        state = p.get("state") or ""
-        if "ACTIVE" not in state:
-            res.append(ProbeResult("node.ib", Status.FAIL, subj, f"port {where} is {state or 'unknown'}", state,
-                                   "ACTIVE", "Check the cable and the switch port; drain the node."))
-            continue
-        errors = {k: v for k, v in p.get("counters", {}).items() if v}
-        if errors.get("link_downed") or errors.get("symbol_error", 0) > 100:
-            res.append(ProbeResult("node.ib", Status.WARN, subj, f"port {where} ({p.get('rate')}) has errors: "
-                                   + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())), errors,
-                                   remediation="A flapping or noisy link slows collectives: check the cable."))
-        elif (model := t.nic_rate(p)) and (rate := port_rate_gbps(p)) is not None and rate < model[1]:
-            res.append(ProbeResult("node.ib", Status.WARN, subj, f"port {where} runs at {rate:g} Gb/s; its model "
-                                   f"({p.get('hca_type') or p.get('board_id')}, thresholds nics {model[0]!r}) "
-                                   f"runs at {model[1]:g}", rate, model[1],
-                                   "A port that trained to a lower rate halves what collectives get through "
-                                   "it: check the cable, the transceiver and the switch port."))
-        else:
-            res.append(ProbeResult("node.ib", Status.OK, subj, f"port {where} ACTIVE, {p.get('rate')}", state))
+        res += _judge_port(p, node, t)
+    return res
+
+
+def _judge_port(p: dict[str, Any], node: str, t: HostThresholds) -> list[ProbeResult]:
+    """One InfiniBand/RoCE port: not in use (the site's ``nics``: SKIP), else its state and rate (``node.ib``)
+    and, when it is up, its error counters (``node.ib_errors``)."""
+    where = port_name(p)
+    subj = Subject(node, port=where)
+    state = p.get("state") or ""
+    if (pattern := t.nic_ignored(p)) is not None:
+        return [ProbeResult("node.ib", Status.SKIP, subj, f"port {where} ({state or 'state unknown'}) not checked: "
+                            f"not in use (thresholds nics {pattern!r})", state)]
+    if "ACTIVE" not in state:
+        return [ProbeResult("node.ib", Status.FAIL, subj, f"port {where} is {state or 'unknown'}", state, "ACTIVE",
+                            "Check the cable and the switch port; drain the node. A port that is not used (not "
+                            "cabled, a bond member) goes under `nics: {ignore: [...]}` in the thresholds.")]
+    if (model := t.nic_rate(p)) and (rate := port_rate_gbps(p)) is not None and rate < model[1]:
+        res = [ProbeResult("node.ib", Status.WARN, subj, f"port {where} runs at {rate:g} Gb/s; its model "
+                           f"({p.get('hca_type') or p.get('board_id')}, thresholds nics {model[0]!r}) "
+                           f"runs at {model[1]:g}", rate, model[1],
+                           "A port that trained to a lower rate halves what collectives get through "
+                           "it: check the cable, the transceiver and the switch port.")]
+    else:
+        res = [ProbeResult("node.ib", Status.OK, subj, f"port {where} ACTIVE, {p.get('rate')}", state)]
+    counters = p.get("counters") or {}
+    limits = {k: t.ib_limit(k) for k in sorted(counters) if t.ib_limit(k) > 0}
+    over = {k: counters[k] for k in limits if counters[k] >= limits[k]}
+    if over:
+        res.append(ProbeResult("node.ib_errors", Status.WARN, subj, f"port {where} has errors: "
+                               + ", ".join(f"{k} {v} (limit {limits[k]})" for k, v in over.items()), over,
+                               {k: limits[k] for k in over},
+                               "A flapping or noisy link slows collectives: check the cable and the transceiver; "
+                               "reset the counters after a fix (perfquery -x -R), as they count since boot."))
+    elif limits:
+        res.append(ProbeResult("node.ib_errors", Status.OK, subj, f"error counters of port {where} under their "
+                               "limits", {k: counters[k] for k in limits}, limits))
     return res
 
 
 def _slow_ports(hosts: dict[str, dict[str, Any]], t: HostThresholds) -> list[ProbeResult]:
-    """Active ports slower than the same model's ports elsewhere in the allocation (the median of all nodes)."""
+    """Active ports slower than the same model's ports elsewhere in the allocation (the median of all nodes);
+    ports the site marked unused (``nics``) are left out."""
     rates: dict[str, list[tuple[str, str, float]]] = {}
     for node, f in hosts.items():
         for p in f.get("ib_ports") or []:
             rate = port_rate_gbps(p)
-            if rate is not None and "ACTIVE" in (p.get("state") or ""):
+            if rate is not None and "ACTIVE" in (p.get("state") or "") and t.nic_ignored(p) is None:
                 model = f"{p.get('hca_type') or p.get('board_id') or '?'} {p.get('link_layer') or ''}".strip()
-                rates.setdefault(model, []).append((node, f"{p['device']}/{p['port']}", rate))
+                rates.setdefault(model, []).append((node, port_name(p), rate))
     res = []
     for model, ports in sorted(rates.items()):
         if len({n for n, _, _ in ports}) < 2:
@@ -258,7 +307,7 @@ def _slow_ports(hosts: dict[str, dict[str, Any]], t: HostThresholds) -> list[Pro
         med = statistics.median(r for _, _, r in ports)
         for node, where, rate in ports:
             if rate < t.nic_rate_ratio_warn * med:
-                res.append(ProbeResult("node.ib_rate", Status.WARN, Subject(node),
+                res.append(ProbeResult("node.ib_rate", Status.WARN, Subject(node, port=where),
                                        f"port {where} runs at {rate:g} Gb/s, the allocation's {model} ports at "
                                        f"{med:g} (median)", rate, med,
                                        "A port that trained to a lower rate slows every collective crossing this "

@@ -6,12 +6,13 @@ MPI (mpi4py), the host network path a CPU-only allocation (and this project's
 CI) has; ``--net-backend torch`` forces torch.distributed (gloo without GPUs).
 The matrix always goes over MPI among the first tasks of the nodes. :func:`judge_matrix` reads the matrix the way a
 delay matrix is read: a node whose whole row is slow is a bad node, a single
-slow cell between good nodes is a bad link.
+slow cell between good nodes is a bad link; bandwidth and latency alike.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from megatrace.check.results import ProbeResult, Status, Subject
 class NetThresholds:
     slow_ratio: float = 0.5  # bandwidth below this share of the allocation's median is slow
     min_busbw_gbps: float = 0.0  # an absolute floor for the all-reduce (per site, configs/thresholds.yaml)
+    slow_latency_ratio: float = 3.0  # latency above this multiple of the typical (the other nodes') is slow...
+    latency_floor_us: float = 20.0  # ...when also above this: microseconds of noise on a fast fabric are no fault
 
 
 def allreduce_busbw(comm: Any, nbytes: int, iters: int = 5, delay_s: float = 0.0) -> float:
@@ -151,11 +154,15 @@ def round_robin(n: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
-def pair_matrix(comm: Any, nbytes: int, iters: int = 3, delay_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def pair_matrix(comm: Any, nbytes: int, iters: int = 3, delay_s: float = 0.0,
+                lat_iters: int = 10) -> tuple[np.ndarray, np.ndarray]:
     """Ping-pong between every pair of ``comm``'s members: (bandwidth GB/s, latency µs), [n, n], NaN on the diagonal.
 
-    Every member must call it; the result is complete on every member. ``delay_s``: an injected wait
-    before each message this member sends (a slow node, for drills and tests).
+    Every member must call it; the result is complete on every member. Each pair first exchanges one untimed
+    message (connection setup); bandwidth is the mean of ``iters`` round trips of ``nbytes``, latency half the
+    fastest of ``lat_iters`` round trips of 8 bytes (a hiccup of the scheduler does not make a slow link; a slow
+    path is slow every time).
+    ``delay_s``: an injected wait before each message this member sends (a slow node, for drills and tests).
     """
     from mpi4py import MPI
 
@@ -170,10 +177,11 @@ def pair_matrix(comm: Any, nbytes: int, iters: int = 3, delay_s: float = 0.0) ->
             if me not in (a, b):
                 continue
             peer = b if me == a else a
-            for buf, out in ((small, lat), (big, bw)):
+            for buf, count in ((small, lat_iters), (big, iters)):
                 got = np.empty_like(buf)
-                t = time.perf_counter()
-                for _ in range(iters):
+                rtts = []
+                for k in range(count + 1):  # the first: untimed
+                    t = time.perf_counter()
                     if me == a:
                         time.sleep(delay_s)
                         comm.Send(buf, dest=peer, tag=7)
@@ -182,11 +190,12 @@ def pair_matrix(comm: Any, nbytes: int, iters: int = 3, delay_s: float = 0.0) ->
                         comm.Recv(got, source=peer, tag=7)
                         time.sleep(delay_s)
                         comm.Send(buf, dest=peer, tag=7)
-                rtt = (time.perf_counter() - t) / iters
-                if out is lat:
-                    lat[a, b] = lat[b, a] = rtt / 2 * 1e6
+                    if k:
+                        rtts.append(time.perf_counter() - t)
+                if buf is small:
+                    lat[a, b] = lat[b, a] = min(rtts) / 2 * 1e6
                 else:
-                    bw[a, b] = bw[b, a] = 2 * buf.nbytes / rtt / 1e9
+                    bw[a, b] = bw[b, a] = 2 * buf.nbytes / statistics.fmean(rtts) / 1e9
     bw_all = np.empty_like(bw)
     comm.Allreduce(np.nan_to_num(bw, nan=0.0), bw_all, op=MPI.MAX)
     lat_all = np.empty_like(lat)
@@ -196,13 +205,16 @@ def pair_matrix(comm: Any, nbytes: int, iters: int = 3, delay_s: float = 0.0) ->
     return bw_all, lat_all
 
 
-def judge_matrix(nodes: list[str], bw: np.ndarray, t: NetThresholds = NetThresholds()) -> list[ProbeResult]:
-    """A slow row is a slow node; a slow cell between two good nodes is a slow link."""
+def judge_matrix(nodes: list[str], bw: np.ndarray, t: NetThresholds = NetThresholds(),
+                 lat: np.ndarray | None = None) -> list[ProbeResult]:
+    """A slow row is a slow node; a slow cell between two good nodes is a slow link: for the bandwidth ``bw``
+    (GB/s) and, when given, the latency ``lat`` (µs) of the same pairs."""
     n = len(nodes)
     if n < 3:  # with two nodes a slow link and a slow node look the same: report the pair
         if n == 2 and not np.isnan(bw[0, 1]):
+            shown = "" if lat is None or np.isnan(lat[0, 1]) else f", {lat[0, 1]:.1f} µs"
             return [ProbeResult("net.pair", Status.OK, Subject(nodes[0], peer=nodes[1]), f"{nodes[0]} ↔ {nodes[1]}: "
-                                f"{bw[0, 1]:.2f} GB/s", round(float(bw[0, 1]), 3))]
+                                f"{bw[0, 1]:.2f} GB/s{shown}", round(float(bw[0, 1]), 3))]
         return []
     res = []
     row_med = np.nanmedian(bw, axis=1)
@@ -224,11 +236,67 @@ def judge_matrix(nodes: list[str], bw: np.ndarray, t: NetThresholds = NetThresho
                                        f"{bw[i, j] / overall:.0%} of the median", round(float(bw[i, j]), 3),
                                        round(overall * t.slow_ratio, 3),
                                        "Check the route between these two nodes (cables, switch, adaptive routing)."))
+    typical_lat = None
+    if lat is not None:
+        lat_res, typical_lat = _judge_latency(nodes, lat, t)
+        res += lat_res
     if not res:
+        shown = "" if typical_lat is None else f"; latency median {typical_lat:.1f} µs (max {np.nanmax(lat):.1f})"
         res.append(ProbeResult("net.matrix", Status.OK, Subject(nodes[0]),
                                f"{n} nodes, pairwise bandwidth median {overall:.2f} GB/s "
-                               f"(min {np.nanmin(bw):.2f})", round(overall, 3)))
+                               f"(min {np.nanmin(bw):.2f}){shown}", round(overall, 3)))
     return res
+
+
+def _median(values: list[float]) -> float | None:
+    """The median of the finite values (None: none)."""
+    finite = [v for v in values if np.isfinite(v)]
+    return statistics.median(finite) if finite else None
+
+
+def _judge_latency(nodes: list[str], lat: np.ndarray, t: NetThresholds) -> tuple[list[ProbeResult], float | None]:
+    """Latency outliers of a matrix of three or more nodes, and the typical latency (None: nothing measured).
+
+    A node is slow when most of its links are: its row's lower median (of two links, the faster) above
+    ``slow_latency_ratio`` times the median latency between the other nodes, and above ``latency_floor_us``.
+    The others are the reference, not the median row: with three nodes, two of the three rows hold the slow
+    node. A link between two good nodes is slow above that ratio of the good nodes' median, and the floor.
+    Both warn: small-message latency over MPI from Python is a proxy that CPU contention on the node also
+    raises, so it names the node without draining it (a node slow enough to matter fails on bandwidth too).
+    """
+    n = len(nodes)
+    res: list[ProbeResult] = []
+    bad: set[int] = set()
+    for i in range(n):
+        row = sorted(float(lat[i, j]) for j in range(n) if j != i and np.isfinite(lat[i, j]))
+        ref = _median([float(lat[j, k]) for j in range(n) for k in range(j + 1, n) if i not in (j, k)])
+        if not row or not ref:
+            continue
+        mine = row[(len(row) - 1) // 2]  # the lower median: a single slow link does not make a slow node
+        limit = max(t.slow_latency_ratio * ref, t.latency_floor_us)
+        if mine > limit:
+            bad.add(i)
+            res.append(ProbeResult("net.latency", Status.WARN, Subject(nodes[i]),
+                                   f"point-to-point latency to the other nodes {mine:.1f} µs, {mine / ref:.1f}x the "
+                                   f"{ref:.1f} µs between the others", round(mine, 1), round(limit, 1),
+                                   "Check this node's NIC (errors, its PCIe slot and NUMA node), CPU power states "
+                                   "(C-states, the frequency governor), other processes on its CPUs, and whether "
+                                   "MPI/NCCL fell back to TCP."))
+    good = [i for i in range(n) if i not in bad]
+    typical = _median([float(lat[i, j]) for i in good for j in good if i < j])
+    if not typical:  # every node slow, or nothing measured between the good ones
+        return res, typical if typical is not None else _median([float(v) for v in lat[np.triu_indices(n, 1)]])
+    limit = max(t.slow_latency_ratio * typical, t.latency_floor_us)
+    for i in good:
+        for j in good:
+            if i < j and np.isfinite(lat[i, j]) and lat[i, j] > limit:
+                res.append(ProbeResult("net.latency", Status.WARN, Subject(nodes[i], peer=nodes[j]),
+                                       f"link {nodes[i]} ↔ {nodes[j]}: latency {lat[i, j]:.1f} µs, "
+                                       f"{lat[i, j] / typical:.1f}x the median {typical:.1f} µs",
+                                       round(float(lat[i, j]), 1), round(limit, 1),
+                                       "Check the route between these two nodes (cables, switch hops, adaptive "
+                                       "routing, congestion)."))
+    return res, typical
 
 
 VIA = {"mpi": "MPI", "nccl": "NCCL (torch.distributed)", "gloo": "gloo (torch.distributed)"}

@@ -20,9 +20,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "GPU heat": ("gpu.temperature", "gpu.clocks", "gpu.power"),
     "GPU links": ("gpu.pcie", "gpu.pcie_gen", "gpu.nvlink"),
     "GPU setup": (),  # every other gpu.* probe: nvml, count, driver, memory held, MIG, persistence
-    "NIC": ("node.ib", "node.ib_rate"),
+    "NIC": ("node.ib", "node.ib_errors", "node.ib_rate"),  # InfiniBand/RoCE ports: results per port
     "node": (),  # every other node.* probe: space, CPUs, memory, versions, clock
-    "network": (),  # net.*: all-reduce bandwidth, the node x node matrix
+    "network": (),  # net.*: all-reduce bandwidth, the node x node bandwidth and latency matrix
 }
 _FALLBACK = {"gpu": "GPU setup", "node": "node", "net": "network"}
 ALLOCATION_WIDE = ("net.allreduce", "net.matrix")  # one result for every node it measured
@@ -82,10 +82,21 @@ def grid(report: CheckReport, ok_rows: int = OK_ROWS_SHOWN) -> list[str]:
     return lines
 
 
+def problems(report: CheckReport) -> list[ProbeResult]:
+    """The results that are not OK, worst first (then by node and GPU): the table's first lines."""
+    return sorted((r for r in report.results if r.status not in (Status.OK, Status.SKIP)),
+                  key=lambda r: (-r.status.rank, r.subject.node, r.subject.gpu if r.subject.gpu is not None else -1))
+
+
+def drain_reason(report: CheckReport) -> str | None:
+    """The reason a prolog drains the node with: the worst problem, as ``megatrace: GPU1 XID 79 ...``."""
+    bad = problems(report)
+    return bad[0].drain_reason() if bad else None
+
+
 def table(report: CheckReport) -> str:
     """The problems (worst first), the node x check grid, and the verdict line."""
-    bad = sorted((r for r in report.results if r.status not in (Status.OK, Status.SKIP)),
-                 key=lambda r: (-r.status.rank, r.subject.node, r.subject.gpu if r.subject.gpu is not None else -1))
+    bad = problems(report)
     lines = [f"{r.status.value.upper():4} {r.subject.label():20} {r.probe:16} {r.message}" for r in bad]
     if bad:
         lines.append("")
@@ -96,13 +107,22 @@ def table(report: CheckReport) -> str:
 
 
 def prom_textfile(report: CheckReport, path: str | os.PathLike[str]) -> None:
-    """Node-exporter textfile metrics: one status gauge per check and subject (0 ok/skip, 1 warn, 2 fail)."""
+    """Node-exporter textfile metrics: one status gauge per check and subject (0 ok/skip, 1 warn, 2 fail).
+
+    Labels: node and probe, and where the subject has them gpu, port (a NIC port, "mlx5_0/1") and peer (the
+    other end of a link). Node-exporter rejects a file with two series of the same labels: results that
+    still share them (a probe that reports several findings of one GPU) are one series, the worst.
+    """
     level = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 1, Status.FAIL: 2}
+    series: dict[str, int] = {}
+    for r in report.results:
+        labels = ",".join(f'{name}="{_esc(str(value))}"' for name, value in
+                          (("node", r.subject.node), ("probe", r.probe), ("gpu", r.subject.gpu),
+                           ("port", r.subject.port), ("peer", r.subject.peer)) if value is not None)
+        series[labels] = max(series.get(labels, 0), level[r.status])
     lines = ["# HELP megatrace_check_status MegaTrace preflight: 0 ok, 1 warning, 2 failure",
              "# TYPE megatrace_check_status gauge"]
-    for r in report.results:
-        gpu = f',gpu="{r.subject.gpu}"' if r.subject.gpu is not None else ""
-        lines.append(f'megatrace_check_status{{node="{_esc(r.subject.node)}",probe="{r.probe}"{gpu}}} {level[r.status]}')
+    lines += [f"megatrace_check_status{{{labels}}} {value}" for labels, value in series.items()]
     write_atomic(path, "\n".join(lines) + "\n")  # node-exporter must never read half a file
 
 

@@ -22,18 +22,23 @@ class Status(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Subject:
-    """What a result is about: a node, one GPU of it (index, UUID, PCI bus id), or its link to a peer node."""
+    """What a result is about: a node, one GPU of it (index, UUID, PCI bus id), one of its NIC ports, or its
+    link to a peer node."""
 
     node: str
     gpu: int | None = None
     uuid: str | None = None
     pci_bus: str | None = None
     peer: str | None = None  # the other end of a network link
+    port: str | None = None  # an InfiniBand/RoCE port, "<device>/<port>" as sysfs names it: "mlx5_0/1"
 
     def label(self) -> str:
+        """How the table names it: ``n1``, ``n1 GPU2``, ``n1 mlx5_0/1``, ``n1 ↔ n3``."""
         if self.peer is not None:
             return f"{self.node} ↔ {self.peer}"
-        return self.node if self.gpu is None else f"{self.node} GPU{self.gpu}"
+        if self.gpu is not None:
+            return f"{self.node} GPU{self.gpu}"
+        return self.node if self.port is None else f"{self.node} {self.port}"
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,17 @@ class ProbeResult:
         return out
 
     def drain_reason(self) -> str:
-        """A short reason for ``scontrol update state=drain reason=...`` (``sinfo -R`` shows it)."""
-        where = f"GPU{self.subject.gpu} " if self.subject.gpu is not None else ""
-        return f"megatrace: {where}{self.message}"[:120]
+        """A short reason for ``scontrol update state=drain reason=...`` (``sinfo -R`` shows it), naming the GPU
+        or the NIC port first: ``megatrace: GPU1 XID 79 ...``, ``megatrace: mlx5_1/1 is 1: DOWN``."""
+        text = self.message
+        if self.subject.gpu is not None:
+            where = f"GPU{self.subject.gpu} "
+        elif self.subject.port is not None:
+            where = f"{self.subject.port} "
+            text = text.removeprefix(f"port {self.subject.port} ")  # the port's messages start by naming it
+        else:
+            where = ""
+        return f"megatrace: {where}{text}"[:120]
 
 
 def worst(results: list[ProbeResult]) -> Status:

@@ -5,10 +5,11 @@ every task checks its own GPUs when Slurm bound the tasks to different GPUs
 (``CUDA_VISIBLE_DEVICES`` differs), else the first task checks them all (NVML
 sees all of a node's GPUs whatever ``CUDA_VISIBLE_DEVICES`` says); every task
 takes part in the all-reduce, the first tasks of the nodes measure
-the node x node matrix (``--level full``), and task 0 gathers everything,
-compares the nodes with each other and prints one table. Every task exits with
-the same status. A watchdog bounds the whole run: a check that hangs (a wedged
-driver, a dead peer in a collective) becomes a failure with that reason.
+the node x node matrix, and task 0 gathers everything, compares the nodes with
+each other and prints one table. Every task exits with the same status. A
+watchdog bounds the whole run: a check that hangs (a wedged driver, a hung file
+system, a dead peer in a collective) becomes a failure of the probe it was
+running, and the results found until then are still printed and written.
 """
 
 from __future__ import annotations
@@ -19,18 +20,18 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from megatrace.check.dcgm import probe_dcgm
 from megatrace.check.gpu import probe_gpus
 from megatrace.check.host import judge_allocation, judge_host, read_host, read_net_delay
-from megatrace.check.results import ProbeResult, Status, worst
+from megatrace.check.results import ProbeResult, Status, Subject, worst
 from megatrace.check.thresholds import Thresholds
 
 EXIT = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 3, Status.FAIL: 4}  # 1: could not run, 2: bad usage
 LEVELS = ("quick", "full")
 QUICK_BYTES, FULL_BYTES = 1 << 20, 32 << 20  # all-reduce size per level
-PAIR_BYTES = 8 << 20
+PAIR_BYTES = {"quick": (1 << 20, 2), "full": (8 << 20, 3)}  # node x node matrix: message size, round trips
 
 
 @dataclass
@@ -73,6 +74,34 @@ class CheckReport:
                 "matrix": self.matrix, "facts": self.facts}
 
 
+@dataclass
+class Progress:
+    """What the run is doing now and what it has found so far: the watchdog reports from it when a probe hangs."""
+
+    node: str
+    probe: str = "node.facts"  # the probe (or group of probes) running now
+    doing: str = "starting"  # in words
+    nodes: list[str] = field(default_factory=list)
+    results: list[ProbeResult] = field(default_factory=list)  # finished ones (task 0 under MPI: its own)
+    root: bool = True  # this task prints and writes for the allocation
+
+    def now(self, probe: str, doing: str) -> None:
+        self.probe, self.doing = probe, doing
+
+    def found(self, results: list[ProbeResult]) -> list[ProbeResult]:
+        self.results += results
+        return results
+
+    def timed_out(self, timeout_s: float, t0: float) -> CheckReport:
+        """The report of a run that did not finish: what it found, and a failure of the probe that hung."""
+        hung = ProbeResult(self.probe, Status.FAIL, Subject(self.node),
+                           f"{self.probe} did not finish within {timeout_s:g} s ({self.doing}: a probe or a peer "
+                           "is hung)",
+                           threshold=timeout_s, remediation="Find what blocks it (a wedged GPU driver, a hung file "
+                           "system, a dead or unreachable node); drain the node until it is fixed.")
+        return CheckReport(self.nodes or [self.node], [*self.results, hung], elapsed_s=time.perf_counter() - t0)
+
+
 def node_name(given: str | None = None) -> str:
     return given or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
@@ -93,23 +122,35 @@ def expected_gpus(given: int | None, node_visible: list[list[str] | None] | None
     return None if visible is None else len(visible)
 
 
-def visible_gpus() -> list[str] | None:
+def visible_gpus(variable: str = "CUDA_VISIBLE_DEVICES") -> list[str] | None:
     """This task's GPUs as ``CUDA_VISIBLE_DEVICES`` names them (indices or UUIDs); None when it says nothing."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = os.environ.get(variable)
     if not visible or visible in ("NoDevFiles", "-1"):
         return None
     return [v.strip() for v in visible.split(",") if v.strip()]
 
 
+def job_gpus() -> list[str] | None:
+    """The GPUs of this node the job was given: ``SLURM_JOB_GPUS`` (set in the prolog), else
+    ``CUDA_VISIBLE_DEVICES``; None when neither says (then every GPU of the node is checked).
+
+    On a node shared with other jobs only these are judged: the others' memory and faults are not this job's.
+    """
+    return visible_gpus("SLURM_JOB_GPUS") or visible_gpus()
+
+
 def assign_gpus(visible: list[list[str] | None]) -> list[list[str] | None]:
     """Per task of one node (first task first), the GPUs it checks: None all, [] none.
 
-    Tasks bound to different GPUs check their own (a GPU seen by several, by the first of them);
-    otherwise the first task checks every GPU and the others none.
+    Tasks bound to different GPUs check their own (a GPU seen by several, by the first of them); tasks that
+    all see the same GPUs: the first checks them; no ``CUDA_VISIBLE_DEVICES`` (or MIG instances): the first
+    checks every GPU of the node. The others check none.
     """
     plain = all(v is not None and all(g.isdigit() or g.startswith("GPU-") for g in v) for v in visible)
-    if not plain or all(v == visible[0] for v in visible):  # (MIG instances: the first task checks the GPUs)
+    if not plain:  # (MIG instances: the first task checks the GPUs)
         return [None] + [[] for _ in visible[1:]]
+    if all(v == visible[0] for v in visible):
+        return [list(visible[0] or [])] + [[] for _ in visible[1:]]
     taken: set[str] = set()
     out: list[list[str] | None] = []
     for v in visible:
@@ -130,26 +171,33 @@ def _family(family: str, only: tuple[str, ...]) -> bool:
 
 
 def check_gpus(opts: CheckOptions, node: str, select: list[str] | None = None, node_level: bool = True,
-               expected: int | None = None) -> list[ProbeResult]:
+               expected: int | None = None, progress: Progress | None = None) -> list[ProbeResult]:
     """GPU checks (in a child under a timeout): ``select`` as :func:`megatrace.check.gpu.probe_gpus` takes it.
 
     ``expected``: the GPUs the node should have (None: :func:`expected_gpus`).
     """
     if not _family("gpu", opts.only):
         return []
+    progress = progress or Progress(node)
     expected = expected_gpus(opts.expect_gpus) if expected is None else expected
-    results = probe_gpus(node, expected, timeout_s=min(opts.timeout_s / 2, 30.0),
-                         thresholds=opts.thresholds.gpu, select=select, node_level=node_level)
-    if node_level and opts.level == "full":  # NVIDIA DCGM's level-1 diagnostic, where dcgmi is installed
-        results += probe_dcgm(node, timeout_s=max(10.0, opts.timeout_s / 2))
-    return [r for r in results if _wanted(r.probe, opts.only)]
+    progress.now("gpu.nvml", "reading the GPUs through NVML")
+    results = progress.found([r for r in probe_gpus(node, expected, timeout_s=min(opts.timeout_s / 2, 30.0),
+                                                    thresholds=opts.thresholds.gpu, select=select,
+                                                    node_level=node_level) if _wanted(r.probe, opts.only)])
+    if node_level and opts.level == "full" and _wanted("gpu.dcgm", opts.only):  # DCGM's level-1 diagnostic
+        progress.now("gpu.dcgm", "running dcgmi diag -r 1")
+        results += progress.found(probe_dcgm(node, timeout_s=max(10.0, opts.timeout_s / 2)))
+    return results
 
 
-def check_this_node(opts: CheckOptions, node: str, gpus: bool = True) -> tuple[list[ProbeResult], dict[str, Any]]:
+def check_this_node(opts: CheckOptions, node: str, gpus: bool = True,
+                    progress: Progress | None = None) -> tuple[list[ProbeResult], dict[str, Any]]:
     """The node's own checks: the host, and (``gpus``) every GPU."""
+    progress = progress or Progress(node)
+    results = check_gpus(opts, node, job_gpus(), progress=progress) if gpus else []
+    progress.now("node.facts", "reading the host: CPUs, memory, free space, NIC ports, versions")
     facts = read_host(opts.job_dir, opts.ring_dir, node)
-    results = check_gpus(opts, node) if gpus else []
-    results += [r for r in judge_host(facts, node, opts.thresholds.node) if _wanted(r.probe, opts.only)]
+    results += progress.found([r for r in judge_host(facts, node, opts.thresholds.node) if _wanted(r.probe, opts.only)])
     return results, facts
 
 
@@ -167,23 +215,31 @@ def _mpi_world() -> Any | None:
     return comm if comm.Get_size() > 1 else None
 
 
-def run(opts: CheckOptions) -> CheckReport:
-    """Check this node, or the whole MPI job; the report is complete on task 0 (others: their own part)."""
+def run(opts: CheckOptions, progress: Progress | None = None) -> CheckReport:
+    """Check this node, or the whole MPI job; the report is complete on task 0 (others: their own part).
+
+    ``progress`` follows the run (for the watchdog): where it is, and the results found so far.
+    """
     t0 = time.perf_counter()
     node = node_name(opts.node)
+    progress = progress or Progress(node)
+    progress.node, progress.nodes = node, [node]
     comm = _mpi_world()
     if comm is None:
-        results, facts = check_this_node(opts, node)
+        results, facts = check_this_node(opts, node, progress=progress)
         return CheckReport([node], results, {node: facts}, None, time.perf_counter() - t0)
-    return _run_mpi(comm, opts, node, t0)
+    return _run_mpi(comm, opts, node, t0, progress)
 
 
-def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport:
-    from megatrace.check.network import (allreduce_busbw, choose_backend, judge_busbw, judge_matrix, pair_matrix,
+def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float, progress: Progress) -> CheckReport:
+    from megatrace.check.network import (VIA, allreduce_busbw, choose_backend, judge_busbw, judge_matrix, pair_matrix,
                                          torch_allreduce_busbw)
 
+    progress.root = comm.Get_rank() == 0
+    progress.now("net.gather", "meeting the other tasks")
     names = comm.allgather(node)
     nodes = sorted(set(names))
+    progress.nodes = nodes
     node_comm = comm.Split(nodes.index(node), comm.Get_rank())
     leader = node_comm.Get_rank() == 0
     visible = node_comm.allgather(visible_gpus())
@@ -192,14 +248,15 @@ def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport
     results: list[ProbeResult] = []
     facts: dict[str, Any] = {}
     if leader:
-        results, facts = check_this_node(opts, node, gpus=False)
+        results, facts = check_this_node(opts, node, gpus=False, progress=progress)
         facts["gpu_checks"] = {"all": checkers[0]} if mine[0] is None else \
             {g: checkers[i] for i, gs in enumerate(mine) for g in gs or []}
     if leader or mine[node_comm.Get_rank()]:  # each task its own GPUs, in parallel; the first also the node's
         results = check_gpus(opts, node, mine[node_comm.Get_rank()], leader,
-                             expected_gpus(opts.expect_gpus, visible)) + results
+                             expected_gpus(opts.expect_gpus, visible), progress) + results
     if leader:  # the node's GPU driver and CUDA, compared across the allocation with the other versions
         facts["gpu_driver"] = next((r.value for r in results if r.probe == "gpu.driver"), None)
+    progress.now("net.gather", "waiting for the other tasks to finish their node and GPU checks")
     comm.Barrier()
     if leader:
         facts["wall_ns"] = time.time_ns()  # read right after a barrier: comparable across nodes
@@ -208,19 +265,24 @@ def _run_mpi(comm: Any, opts: CheckOptions, node: str, t0: float) -> CheckReport
         nbytes = FULL_BYTES if opts.level == "full" else QUICK_BYTES
         backend = choose_backend(comm, opts.net_backend)
         delay_s = read_net_delay(node)  # a slow node injected by the site (drills, tests): 0 normally
+        progress.now("net.allreduce", f"the all-reduce through {VIA.get(backend, backend)}")
         if backend == "mpi":
             busbw = allreduce_busbw(comm, nbytes, delay_s=delay_s)
         else:
             busbw = torch_allreduce_busbw(comm, nbytes, backend, node_comm.Get_rank(), opts.timeout_s)
         if comm.Get_rank() == 0:
-            results.append(judge_busbw(busbw, node, comm.Get_size(), opts.thresholds.net, backend))
+            results.append(progress.found([judge_busbw(busbw, node, comm.Get_size(), opts.thresholds.net,
+                                                       backend)])[0])
         leaders = comm.Split(0 if leader else 1, nodes.index(node))
-        if leader and opts.level == "full" and leaders.Get_size() > 1:
-            bw, lat = pair_matrix(leaders, PAIR_BYTES, delay_s=delay_s)
+        if leader and leaders.Get_size() > 1:
+            progress.now("net.matrix", "the node x node bandwidth and latency matrix")
+            pair_bytes, round_trips = PAIR_BYTES[opts.level]
+            bw, lat = pair_matrix(leaders, pair_bytes, iters=round_trips, delay_s=delay_s)
             if leaders.Get_rank() == 0:
-                results += judge_matrix(nodes, bw, opts.thresholds.net)
+                results += progress.found(judge_matrix(nodes, bw, opts.thresholds.net, lat))
                 matrix = {"nodes": nodes, "bandwidth_gbps": _rounded(bw), "latency_us": _rounded(lat)}
         leaders.Free()
+    progress.now("net.gather", "gathering the results on task 0")
     gathered = comm.gather((node, leader, results, facts, matrix), root=0)
     node_comm.Free()
     if comm.Get_rank() != 0:
@@ -245,10 +307,15 @@ def _rounded(m: Any) -> list[list[float | None]]:
 
 
 class Watchdog:
-    """Ends the process with a failure line when the whole check runs past its deadline."""
+    """Ends the process with exit 4 when the whole check runs past its deadline.
 
-    def __init__(self, timeout_s: float, node: str) -> None:
+    ``on_timeout`` (called first, from the watchdog's thread) reports what was found and which probe hung;
+    whatever it does, the process then ends: a prolog must never wait on a hung check.
+    """
+
+    def __init__(self, timeout_s: float, node: str, on_timeout: Callable[[], None] | None = None) -> None:
         self._done = threading.Event()
+        self._on_timeout = on_timeout
         self._thread = threading.Thread(target=self._watch, args=(timeout_s, node), daemon=True)
 
     def __enter__(self) -> Watchdog:
@@ -259,8 +326,18 @@ class Watchdog:
         self._done.set()
 
     def _watch(self, timeout_s: float, node: str) -> None:
-        if not self._done.wait(timeout_s):
-            sys.stderr.write(f"megatrace-check: FAIL {node}: the checks did not finish within {timeout_s:g} s "
-                             "(a probe or a peer is hung)\n")
+        if self._done.wait(timeout_s):
+            return
+        try:
+            if self._on_timeout is not None:
+                self._on_timeout()
+            else:
+                sys.stderr.write(f"megatrace-check: FAIL {node}: the checks did not finish within {timeout_s:g} s "
+                                 "(a probe or a peer is hung)\n")
+        except Exception as exc:  # noqa: BLE001  (reporting must not keep the process alive)
+            sys.stderr.write(f"megatrace-check: FAIL {node}: timed out after {timeout_s:g} s, and could not "
+                             f"report it: {exc}\n")
+        finally:
+            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT[Status.FAIL])

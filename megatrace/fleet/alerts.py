@@ -64,10 +64,12 @@ class Alert:
     level: str = "P3"
     t: float = field(default_factory=time.time)
     recurrences: int = 0  # suppressed repeats folded into this one
+    part: str = ""  # the GPU, NIC port or link of the node it is about ("GPU1", "mlx5_0/1"); "" the node
 
     @property
     def key(self) -> str:
-        return f"{self.node}:{self.subject}"
+        """What deduplication goes by: two GPUs (or ports) failing one check on a node are two alerts."""
+        return f"{self.node}:{self.subject}" + (f":{self.part}" if self.part else "")
 
     def payload(self) -> dict[str, Any]:
         text = self.text + (f" (recurred {self.recurrences} times since the last alert)" if self.recurrences else "")

@@ -102,6 +102,12 @@ def drain_reason(results: list[ProbeResult]) -> str:
     return worst.drain_reason()
 
 
+def _part(r: ProbeResult) -> str:
+    """The part of the node a result is about, for the alert's key ("" for the node itself)."""
+    s = r.subject
+    return f"GPU{s.gpu}" if s.gpu is not None else s.port or (f"link to {s.peer}" if s.peer else "")
+
+
 def health_check(node: str, opts: CheckOptions, history: History, alert_cfg: AlertConfig,
                  resume_after: int = 3, act: bool = True) -> HealthOutcome:
     """One health check of this node: see the module docstring."""
@@ -120,8 +126,8 @@ def health_check(node: str, opts: CheckOptions, history: History, alert_cfg: Ale
         err = set_node(node, action, out.reason)
         if err:
             out.errors.append(err)
-    alerts = [Alert(node, r.probe, r.status.value, r.message) for r in results if r.status in (Status.FAIL,
-                                                                                            Status.WARN)]
+    alerts = [Alert(node, r.probe, r.status.value, r.message, part=_part(r)) for r in results
+              if r.status in (Status.FAIL, Status.WARN)]
     out.alerts = dispatch(alerts, alert_cfg, history)
     out.errors += out.alerts.errors
     return out

@@ -147,4 +147,6 @@ node:
   min_free_shm_mib: 64
   min_free_job_mib: 64
   min_free_ring_mib: 64
+net:
+  latency_floor_us: 10000  # four nodes' MPI tasks busy-poll on one host's few cores: ms round trips are noise
 """

@@ -2,14 +2,19 @@
  * A test double of libnvidia-ml.so.1 for machines without a GPU: the real pynvml loads it
  * and calls it through ctypes exactly as it would call NVIDIA's library.
  *
- * The GPUs it reports come from a key=value file named by FAKE_NVML_CONFIG, read at
- * nvmlInitWithFlags:
+ * The GPUs it reports come from a JSON fixture named by FAKE_NVML_CONFIG, read at
+ * nvmlInitWithFlags: one flat object whose keys are the dotted names below and whose values are
+ * strings, numbers or booleans (true: 1, false: 0; null: as if the key were absent), e.g.
+ *
+ *   {"gpus": 2, "driver": "550.54.15", "gpu0.name": "NVIDIA H100 80GB HBM3", "gpu0.procs": "1234:1073741824"}
+ *
+ * The keys (written key=value here for brevity):
  *
  *   gpus=2                     driver=550.54.15          cuda=12040
  *   init_error=9               (nvmlInit fails with this NVML error code)
  *   gpu0.name=NVIDIA H100 80GB HBM3   gpu0.uuid=GPU-...   gpu0.bus=00000000:18:00.0
  *   gpu0.temp=45  gpu0.slowdown_temp=87  gpu0.shutdown_temp=92   (either may be "unsupported")
- *   gpu0.clock_events=0x8      (nvmlClocksEventReason bits)
+ *   gpu0.clock_events=0x8      (nvmlClocksEventReason bits; a string for hex, or a number)
  *   gpu0.ecc_sbe=0  gpu0.ecc_dbe=0  gpu0.remap_corr=0  gpu0.remap_unc=0  gpu0.remap_pending=0  gpu0.remap_failure=0
  *   gpu0.power_limit=700000    gpu0.power_default=700000   (milliwatts)
  *   gpu0.pcie_gen=5  gpu0.pcie_gen_max=5  gpu0.pcie_gen_gpu_max=5  gpu0.pcie_width=16  gpu0.pcie_width_max=16
@@ -17,11 +22,16 @@
  *   gpu0.retired_sbe=0  gpu0.retired_dbe=0  gpu0.retired_pending=0   (page retirement, pre-Ampere)
  *   gpu0.xid_event=79,13       (Xid critical-error events delivered to an event set registered for it)
  *   gpu0.persistence=1  gpu0.mig=0
- *   gpu0.procs=1234:1073741824,5678:2048   (pid:used bytes)
+ *   gpu0.procs=1234:1073741824,5678:2048   (pid:used bytes; 18446744073709551615 is
+ *                              NVML_VALUE_NOT_AVAILABLE, which pynvml turns into None)
  *   gpu0.nvlinks=18  gpu0.nvlink_down=3,7   (links 0..17, two of them down; 0 links: not supported)
  *   gpu0.nvlink5.replay=9  gpu0.nvlink5.recovery=0  gpu0.nvlink5.crc_flit=400   (error counters)
  *   gpu0.hang_ms=5000          (every call about this GPU sleeps that long: a wedged driver)
- *   gpu0.error.<function>=3    (that function fails with this NVML error code)
+ *   gpu0.error.<function>=3    (that function fails with this NVML error code; <function> is the C
+ *                              entry point, e.g. nvmlDeviceGetHandleByIndex_v2=15: the GPU is lost)
+ *
+ * A fixture that is not such an object (bad JSON, a nested value, a duplicate key) or cannot be read
+ * makes nvmlInit fail with NVML_ERROR_UNKNOWN after a line on stderr naming the file and byte offset.
  *
  * Only the entry points MegaTrace's probes use are implemented; the rest of the API is absent.
  */
@@ -81,22 +91,207 @@ static nvmlReturn_t enter(nvmlDevice_t dev, const char *function) {
     return (nvmlReturn_t)gpu_num(dev->index, field, OK);
 }
 
-static void load_config(void) {
+/* A strict parser of the fixture: one flat JSON object (RFC 8259 syntax) of strings, numbers, booleans and
+ * nulls. Values are kept as text: a number as written, true as "1", false as "0"; a null is left out. */
+struct parser { const char *path, *s; size_t n, i; };
+
+static int syntax_error(struct parser *p, size_t at, const char *what) {
+    fprintf(stderr, "fake_nvml: %s: JSON error at byte offset %zu: %s\n", p->path, at, what);
+    return -1;
+}
+
+static void skip_ws(struct parser *p) {
+    while (p->i < p->n && (p->s[p->i] == ' ' || p->s[p->i] == '\t' || p->s[p->i] == '\n' || p->s[p->i] == '\r'))
+        p->i++;
+}
+
+static int hex4(struct parser *p, unsigned *out) {
+    *out = 0;
+    for (int k = 0; k < 4; k++, p->i++) {
+        char c = p->i < p->n ? p->s[p->i] : 0;
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+              : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) return syntax_error(p, p->i, "expected 4 hex digits after \\u");
+        *out = *out * 16 + (unsigned)d;
+    }
+    return 0;
+}
+
+/* Append the UTF-8 encoding of code point ``cp`` to out[*len]; -1 when it does not fit. */
+static int put_utf8(char *out, size_t size, size_t *len, unsigned cp) {
+    unsigned char b[4];
+    size_t k = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    if (k == 1) b[0] = (unsigned char)cp;
+    else if (k == 2) { b[0] = (unsigned char)(0xC0 | cp >> 6); b[1] = (unsigned char)(0x80 | (cp & 0x3F)); }
+    else if (k == 3) { b[0] = (unsigned char)(0xE0 | cp >> 12); b[1] = (unsigned char)(0x80 | (cp >> 6 & 0x3F));
+                       b[2] = (unsigned char)(0x80 | (cp & 0x3F)); }
+    else { b[0] = (unsigned char)(0xF0 | cp >> 18); b[1] = (unsigned char)(0x80 | (cp >> 12 & 0x3F));
+           b[2] = (unsigned char)(0x80 | (cp >> 6 & 0x3F)); b[3] = (unsigned char)(0x80 | (cp & 0x3F)); }
+    if (*len + k >= size) return -1;
+    memcpy(out + *len, b, k);
+    *len += k;
+    out[*len] = 0;
+    return 0;
+}
+
+/* A string (p->i at its opening quote) into out (NUL-terminated, at most size - 1 bytes). */
+static int parse_string(struct parser *p, char *out, size_t size) {
+    size_t start = p->i++, len = 0;
+    out[0] = 0;
+    for (;;) {
+        if (p->i >= p->n) return syntax_error(p, start, "unterminated string");
+        unsigned char c = (unsigned char)p->s[p->i];
+        unsigned cp = c;
+        if (c == '"') { p->i++; return 0; }
+        if (c < 0x20) return syntax_error(p, p->i, "control character in a string (escape it)");
+        if (c == '\\') {
+            char e = p->i + 1 < p->n ? p->s[p->i + 1] : 0;
+            p->i += 2;
+            switch (e) {
+            case '"': cp = '"'; break;
+            case '\\': cp = '\\'; break;
+            case '/': cp = '/'; break;
+            case 'b': cp = '\b'; break;
+            case 'f': cp = '\f'; break;
+            case 'n': cp = '\n'; break;
+            case 'r': cp = '\r'; break;
+            case 't': cp = '\t'; break;
+            case 'u': {
+                size_t at = p->i - 2;
+                if (hex4(p, &cp)) return -1;
+                if (cp >= 0xDC00 && cp <= 0xDFFF) return syntax_error(p, at, "lone low surrogate in \\u escape");
+                if (cp >= 0xD800 && cp <= 0xDBFF) {
+                    unsigned lo;
+                    if (p->i + 1 >= p->n || p->s[p->i] != '\\' || p->s[p->i + 1] != 'u')
+                        return syntax_error(p, at, "high surrogate without a low one in \\u escape");
+                    p->i += 2;
+                    if (hex4(p, &lo)) return -1;
+                    if (lo < 0xDC00 || lo > 0xDFFF) return syntax_error(p, at, "bad surrogate pair in \\u escape");
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                }
+                if (cp == 0) return syntax_error(p, at, "\\u0000 is not allowed");
+                break;
+            }
+            default:
+                return syntax_error(p, p->i - 2, "unknown escape (one of \\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX)");
+            }
+            if (put_utf8(out, size, &len, cp)) return syntax_error(p, start, "string too long");
+            continue;
+        }
+        if (len + 1 >= size) return syntax_error(p, start, "string too long");
+        out[len++] = (char)c;  /* (other bytes, UTF-8 included, as they are) */
+        out[len] = 0;
+        p->i++;
+    }
+}
+
+static int is_digit(struct parser *p) { return p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9'; }
+
+/* A number as JSON writes it: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, kept as its text. */
+static int parse_number(struct parser *p, char *out, size_t size) {
+    size_t start = p->i;
+    if (p->s[p->i] == '-') p->i++;
+    if (!is_digit(p)) return syntax_error(p, p->i, "expected a digit");
+    if (p->s[p->i] == '0') p->i++;
+    else while (is_digit(p)) p->i++;
+    if (p->i < p->n && p->s[p->i] == '.') {
+        p->i++;
+        if (!is_digit(p)) return syntax_error(p, p->i, "expected a digit after the decimal point");
+        while (is_digit(p)) p->i++;
+    }
+    if (p->i < p->n && (p->s[p->i] == 'e' || p->s[p->i] == 'E')) {
+        p->i++;
+        if (p->i < p->n && (p->s[p->i] == '+' || p->s[p->i] == '-')) p->i++;
+        if (!is_digit(p)) return syntax_error(p, p->i, "expected a digit in the exponent");
+        while (is_digit(p)) p->i++;
+    }
+    if (p->i - start >= size) return syntax_error(p, start, "number too long");
+    memcpy(out, p->s + start, p->i - start);
+    out[p->i - start] = 0;
+    return 0;
+}
+
+static int literal(struct parser *p, const char *word) {
+    size_t k = strlen(word);
+    if (p->n - p->i < k || memcmp(p->s + p->i, word, k) != 0) return 0;
+    p->i += k;
+    return 1;
+}
+
+/* A value into out: 0, 1 for null (nothing stored), -1 on an error. */
+static int parse_value(struct parser *p, char *out, size_t size) {
+    skip_ws(p);
+    char c = p->i < p->n ? p->s[p->i] : 0;
+    if (c == '"') return parse_string(p, out, size);
+    if (c == '-' || (c >= '0' && c <= '9')) return parse_number(p, out, size);
+    if (literal(p, "true")) { snprintf(out, size, "1"); return 0; }
+    if (literal(p, "false")) { snprintf(out, size, "0"); return 0; }
+    if (literal(p, "null")) return 1;
+    if (c == '{' || c == '[')
+        return syntax_error(p, p->i, "nested objects and arrays are not supported (a flat object of strings, "
+                                     "numbers, booleans)");
+    return syntax_error(p, p->i, p->i < p->n ? "expected a value" : "unexpected end of file");
+}
+
+static int parse_object(struct parser *p) {
+    skip_ws(p);
+    if (p->i >= p->n || p->s[p->i] != '{') return syntax_error(p, p->i, "expected '{' (a JSON object)");
+    p->i++;
+    skip_ws(p);
+    if (p->i < p->n && p->s[p->i] == '}') p->i++;
+    else for (;;) {
+        char key[sizeof keys[0]], value[sizeof values[0]];
+        skip_ws(p);
+        size_t at = p->i;
+        if (p->i >= p->n || p->s[p->i] != '"') return syntax_error(p, p->i, "expected a key (a string)");
+        if (parse_string(p, key, sizeof key)) return -1;
+        skip_ws(p);
+        if (p->i >= p->n || p->s[p->i] != ':') return syntax_error(p, p->i, "expected ':' after the key");
+        p->i++;
+        int r = parse_value(p, value, sizeof value);
+        if (r < 0) return -1;
+        for (int k = 0; k < n_keys; k++)
+            if (strcmp(keys[k], key) == 0) return syntax_error(p, at, "duplicate key");
+        if (r == 0) {
+            if (n_keys == MAX_KEYS) return syntax_error(p, at, "too many keys");
+            memcpy(keys[n_keys], key, sizeof key);
+            memcpy(values[n_keys], value, sizeof value);
+            n_keys++;
+        }
+        skip_ws(p);
+        if (p->i < p->n && p->s[p->i] == ',') { p->i++; continue; }
+        if (p->i < p->n && p->s[p->i] == '}') { p->i++; break; }
+        return syntax_error(p, p->i, "expected ',' or '}'");
+    }
+    skip_ws(p);
+    if (p->i != p->n) return syntax_error(p, p->i, "unexpected data after the object");
+    return 0;
+}
+
+/* Read the fixture named by FAKE_NVML_CONFIG (none: no keys, so no GPUs); -1 when it is unusable. */
+static int load_config(void) {
+    static char text[1 << 20];
     n_keys = 0;
     const char *path = getenv("FAKE_NVML_CONFIG");
-    FILE *f = path ? fopen(path, "r") : NULL;
-    if (!f) return;
-    char line[400];
-    while (n_keys < MAX_KEYS && fgets(line, sizeof line, f)) {
-        line[strcspn(line, "\r\n")] = 0;
-        char *eq = strchr(line, '=');
-        if (!eq || line[0] == '#') continue;
-        *eq = 0;
-        snprintf(keys[n_keys], sizeof keys[0], "%.95s", line);
-        snprintf(values[n_keys], sizeof values[0], "%.255s", eq + 1);
-        n_keys++;
+    if (!path) return 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "fake_nvml: %s: cannot read the fixture\n", path);
+        return -1;
     }
+    size_t n = fread(text, 1, sizeof text, f);
+    int too_big = n == sizeof text && fgetc(f) != EOF;
     fclose(f);
+    if (too_big) {
+        fprintf(stderr, "fake_nvml: %s: the fixture is larger than %zu bytes\n", path, sizeof text);
+        return -1;
+    }
+    struct parser p = {path, text, n, 0};
+    if (parse_object(&p)) {
+        n_keys = 0;
+        return -1;
+    }
+    return 0;
 }
 
 static nvmlReturn_t copy_string(const char *src, char *dst, unsigned int size) {
@@ -108,7 +303,7 @@ static nvmlReturn_t copy_string(const char *src, char *dst, unsigned int size) {
 
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
-    load_config();
+    if (load_config()) return ERR_UNKNOWN;
     const char *err = get("init_error");
     if (err && atoi(err)) return atoi(err);
     for (int i = 0; i < MAX_GPUS; i++) devices[i].index = i;
@@ -162,6 +357,8 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     if (!initialized) return ERR_UNINIT;
     if ((int)index >= n_gpus()) return ERR_INVALID;
+    nvmlReturn_t r = (nvmlReturn_t)gpu_num((int)index, "error.nvmlDeviceGetHandleByIndex_v2", OK);
+    if (r) return r;
     *device = &devices[index];
     return OK;
 }
