@@ -486,8 +486,9 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
     peers = rank_list(list(s.peers))
     slower = s.interval_ratio - 1.0 if _slow_by_intervals(s) else s.relative  # the finer estimate when it holds
     per = "in the whole trace" if s.whole_trace else "per step"
-    verdict = (f"{rank_label(trace, r)} computes {slower:.0%} slower than the ranks doing the same work "
-               f"({duration(s.excess_ns)} more {per} than {peers})")
+    arrivals = trace.completion_times == "arrivals"  # transfer times count as everyone's compute: a lower bound
+    verdict = (f"{rank_label(trace, r)} computes {'at least ' if arrivals else ''}{slower:.0%} slower than the "
+               f"ranks doing the same work ({duration(s.excess_ns)} more {per} than {peers})")
     impact = res.impact_ns.get(r)
     if impact:
         verdict += f"; at their speed steps would take {duration(impact)} ({impact / res.step_ns:.0%}) less"
@@ -506,6 +507,10 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
         evidence.append(f"call by call: {s.interval_ratio:.2f}x its peers' compute before the same call (median), "
                         f"slower in {s.intervals_slower} of {s.intervals} paired compute intervals"
                         + (f" (p = {_interval_p(s):.0e} that chance alone did it)" if s.whole_trace else ""))
+    if arrivals:
+        evidence.append("this trace has no completion times: each call counts as complete at its last member's "
+                        "arrival, so the transfer after it counts as compute for every member alike and the "
+                        "slowdown quoted is a lower bound")
     if s.collectives:
         evidence.append(f"arrived last in {s.last_arrivals} of its {s.collectives} collectives, keeping the other "
                         f"members waiting {duration(s.lag_caused_ns)} in total "
