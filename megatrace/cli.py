@@ -236,35 +236,33 @@ Examples:
 @click.option("--perfetto", is_flag=True, help="Write a Chrome / Perfetto trace (JSON trace events; the only "
               "export format so far).")
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=str), default="trace.json",
-              show_default=True, help="Where to write it.")
+              show_default=True, help="Where to write it (a name ending in .gz is written gzipped).")
 @click.option("--format", "trace_format", default="auto", show_default=True,
               type=click.Choice(TRACE_FORMATS),
               help="Input format, as for megatrace analyze (docs/importers.md).")
 def export(trace_dir: str, perfetto: bool, out: str, trace_format: str) -> None:
-    """Export a trace directory of any format as a timeline to open in Perfetto or chrome://tracing.
+    """Export every record of a trace (any format) to open in ui.perfetto.dev or chrome://tracing.
 
-    The timeline is the incident window the report shows (megatrace analyze writes the same
-    trace.json beside its report): one track per rank, one slice per operation.
+    One process per rank (named with its host and GPU), one lane per group and kind with more lanes
+    where calls overlap, one slice per operation (a call that never completed lasts until the end of
+    the trace and says so), flows joining the members of each collective instance in arrival order and
+    each send to its recv. Nothing is written into TRACE_DIR.
     """
-    from megatrace.analyze.engine import analyze as run_analysis
     from megatrace.analyze.load import TraceLoadError
     from megatrace.config import LayoutError
-    from megatrace.report.perfetto import dumps, trace_events
+    from megatrace.report.perfetto import ExportError, export_trace
 
     if not perfetto:
         raise click.UsageError("choose what to export: --perfetto")
     try:
-        events = trace_events(run_analysis(trace_dir, format=trace_format).document())
-    except (TraceLoadError, LayoutError) as exc:
+        stats = export_trace(trace_dir, out, format=trace_format)
+    except (TraceLoadError, LayoutError, ExportError) as exc:
         raise MegatraceError(str(exc)) from None
-    if events is None:
-        raise MegatraceError(f"{trace_dir}: no operations to export")
-    try:
-        with open(out, "w") as fh:
-            fh.write(dumps(events))
     except OSError as exc:
-        raise MegatraceError(f"cannot write {out}: {exc.strerror}") from None
-    click.echo(f"trace: {out} ({len(events['traceEvents'])} events)", err=True)
+        raise MegatraceError(f"{trace_dir}: {exc.strerror or exc}") from None
+    size = f", {stats.bytes / 1e6:.1f} MB" if stats.bytes else ""
+    click.echo(f"trace: {out} ({stats.records} records of {stats.ranks} ranks on {stats.lanes} lanes, "
+               f"{stats.incomplete} never completed, {stats.flows} flows{size}; {stats.seconds:.1f} s)", err=True)
 
 
 # Commands that live with their stage; each module imports only click at load time.

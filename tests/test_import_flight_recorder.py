@@ -274,7 +274,7 @@ def test_export_writes_a_perfetto_trace_of_imported_dumps(mismatch_run: Path, tm
     assert result.exit_code == 0, result.output
     events = json.loads(out.read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
-    assert {e["tid"] for e in slices} == {0, 1, 2} and len(slices) == 18  # 6 all_reduces on each of 3 ranks
+    assert {e["args"]["rank"] for e in slices} == {0, 1, 2} and len(slices) == 18  # 6 all_reduces x 3 ranks
     assert runner.invoke(main, ["export", str(mismatch_run)]).exit_code == 2  # no export format chosen
     missing = runner.invoke(main, ["export", str(tmp_path / "nothing"), "--perfetto"])
     assert missing.exit_code == 1 and missing.output.startswith("Error:")
