@@ -57,8 +57,11 @@ def test_fail_on_returns_3_when_a_finding_is_at_or_above_it(runner: CliRunner, t
 def test_a_directory_that_is_not_a_trace_is_one_error_line(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(main, ["analyze", str(tmp_path)])
     assert result.exit_code == 1
-    assert result.output.strip() == (f"Error: {tmp_path}: not a MegaTrace trace directory: no ring files "
-                                     "(rank-NNNNN.ring) in it or in its rings/ subdirectory")
+    text = result.output.strip()
+    assert text.startswith(f"Error: {tmp_path}: not a trace directory (it is empty): found none of MegaTrace ring "
+                           "files (rank-NNNNN.ring") and len(text.splitlines()) == 1, text
+    for looked_for in ("Flight Recorder dumps", "rank_<R>.log", "NCCL Inspector", "--format"):
+        assert looked_for in text
 
 
 def test_layout_sizes_on_the_command_line(runner: CliRunner, tmp_path: Path) -> None:

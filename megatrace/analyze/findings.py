@@ -121,9 +121,37 @@ class Finding:
                 "impact": self.impact, "data": self.data}
 
 
+STOPPED_KINDS = (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY)  # hang roots that are a rank's stop
+
+
+def _stopped_at(f: Finding) -> int | None:
+    """When the rank a hang root names stopped (``data["stop_ns"]``, aligned ns), or None."""
+    stop = f.data.get("stop_ns") if f.kind in STOPPED_KINDS else None
+    return int(stop) if isinstance(stop, (int, float)) and not isinstance(stop, bool) else None
+
+
 def order_findings(findings: list[Finding]) -> list[Finding]:
-    """Most important first: severity, then ranks affected, then confidence, then id."""
-    return sorted(findings, key=lambda f: (f.severity.rank, -f.impact, -f.confidence, f.id))
+    """Most important first: severity, then ranks affected, then confidence, then id.
+
+    Among the findings of one severity that name a rank which stopped (compute hang, crash, early exit:
+    hang roots with ``data["stop_ns"]``), ties of impact go to the rank that stopped first, ahead of
+    confidence and id: a rank that stopped later cannot have caused an earlier stop, while the earlier one
+    may well have caused the later through waits the trace does not show (a Flight Recorder dump of gloo
+    records no point-to-point call, so a pipeline neighbour stuck in a receive from the hung rank looks
+    stopped too, with as many waiters). Those roots only trade places among themselves; the other findings
+    keep theirs.
+    """
+    ordered = sorted(findings, key=lambda f: (f.severity.rank, -f.impact, -f.confidence, f.id))
+    slots: dict[int, list[int]] = {}
+    for i, f in enumerate(ordered):
+        if _stopped_at(f) is not None:
+            slots.setdefault(f.severity.rank, []).append(i)
+    for places in slots.values():
+        roots = sorted((ordered[i] for i in places),
+                       key=lambda f: (-f.impact, _stopped_at(f), -f.confidence, f.id))
+        for i, f in zip(places, roots):
+            ordered[i] = f
+    return ordered
 
 
 def worst_severity(findings: list[Finding]) -> Severity | None:

@@ -41,7 +41,8 @@ STALLED_OUTCOMES = ("stalled",)  # launcher / agent verdicts (procs.json "outcom
 RUNNING_OUTCOMES = ("running",)
 RUNNING_MIN_STALL_NS = 30_000_000_000
 GAP_WINDOW = 1000  # recent records of a rank used for its usual gap between calls
-TAIL = 64  # last records per rank read for what it waits in (and its last activity): a rank waits in one place
+TAIL = 64  # last records per rank read for what it waits in (and its last activity): a rank waits in one place;
+#            a longer run of calls that never completed adds its oldest call in front (see _tails)
 MAX_PHANTOM_INSTANCES = 5000  # instances checked for completions that cannot be real
 PHANTOM_OPS = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.BARRIER)
 NONE = np.iinfo(np.int64).min
@@ -132,11 +133,61 @@ def _at(table: np.ndarray, idx: np.ndarray, fill: int = -1) -> np.ndarray:
 
 
 def _tails(trace: TraceSet) -> _Tails:
+    """The last ``TAIL`` rows of every rank; in front of them, for a rank whose final run of calls that never
+    completed starts before those rows (more calls queued behind a stuck one than ``TAIL``), the oldest call
+    of that run: the one it waits in, whatever came after it."""
     counts = np.diff(trace.starts)
     k = int(min(TAIL, counts.max())) if len(counts) and counts.max() > 0 else 1
     idx = trace.starts[1:, None] - k + np.arange(k)[None, :]
     valid = idx >= trace.starts[:-1, None]
-    return _Tails(np.where(valid, idx, 0), valid)
+    rows = np.where(valid, idx, 0)
+    head = _oldest_pending(trace, rows, valid)
+    if head is not None:
+        rows = np.concatenate([np.maximum(head, 0)[:, None], rows], axis=1)
+        valid = np.concatenate([(head >= 0)[:, None], valid], axis=1)
+    return _Tails(rows, valid)
+
+
+def _blocking_rows(rec, rows: np.ndarray) -> np.ndarray:
+    """Calls (not markers) that never completed, or failed, unless they record no completion at all."""
+    state = rec.state[rows]
+    return (rec.op[rows] < Op.MARK_STEP) & ((state == State.ENQUEUED) | (state == State.FAILED)) \
+        & ((rec.flags[rows] & Flag.NO_COMPLETION) == 0)
+
+
+def _progress_rows(rec, rows: np.ndarray, blocking: np.ndarray) -> np.ndarray:
+    """Rows that show the rank moved on: a completed synchronous call, or a marker."""
+    return ~blocking & (((rec.flags[rows] & Flag.ASYNC) == 0) | (rec.op[rows] >= Op.MARK_STEP))
+
+
+def _oldest_pending(trace: TraceSet, rows: np.ndarray, valid: np.ndarray) -> np.ndarray | None:
+    """Per rank, the oldest call of its final run of calls that never completed (the rows after its last
+    progress, see :func:`_pending`) when that call lies before the tail ``rows``; -1 elsewhere; None when
+    no rank needs it. Vectorized: only the ranks whose whole tail is such a run are scanned further back,
+    as one concatenated array cut into segments (``reduceat``)."""
+    rec = trace.records
+    if not len(rec) or not valid.any():
+        return None
+    n_ranks = len(rows)
+    first_col = np.argmax(valid, axis=1)
+    tail_start = rows[np.arange(n_ranks), first_col]
+    lo = trace.starts[:-1]
+    blocking = _blocking_rows(rec, rows) & valid
+    progress = _progress_rows(rec, rows, blocking) & valid
+    cand = np.flatnonzero(valid.any(axis=1) & (tail_start > lo) & blocking.any(axis=1) & ~progress.any(axis=1))
+    if not len(cand):
+        return None
+    seg_lo, seg_hi = lo[cand], tail_start[cand]  # the rows older than the tail
+    lens = seg_hi - seg_lo
+    offsets = np.cumsum(lens) - lens
+    older = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(offsets - seg_lo, lens)
+    b = _blocking_rows(rec, older)
+    last_progress = np.maximum.reduceat(np.where(_progress_rows(rec, older, b), older, -1), offsets)
+    after = b & (older > np.repeat(last_progress, lens))
+    first = np.minimum.reduceat(np.where(after, older, np.iinfo(np.int64).max), offsets)
+    head = np.full(n_ranks, -1, np.int64)
+    head[cand] = np.where(first < seg_hi, first, -1)
+    return head if (head >= 0).any() else None
 
 
 def _phantoms(trace: TraceSet, m: MatchResult, t: _Tails, tc: np.ndarray, last_by_rank: np.ndarray) -> np.ndarray:
@@ -146,6 +197,8 @@ def _phantoms(trace: TraceSet, m: MatchResult, t: _Tails, tc: np.ndarray, last_b
     state, op, done_at = t.take(rec.state), t.take(rec.op), t.take(tc)
     pair = t.take(ix.pair, -1)
     peer = np.clip(t.take(rec.peer, -1), 0, max(trace.world_size - 1, 0))
+    last_by_rank = last_by_rank.copy()  # a rank whose records end early did not stop there: nothing is a phantom of it
+    last_by_rank[[i.rank for i in trace.rank_info if i.ended_early]] = NONE
     peer_last = last_by_rank[peer]
     phantom = ((pair >= 0) & (state == State.COMPLETED) & (op == Op.RECV) & (_at(ix.send_row, pair) < 0)
                & (peer_last != NONE) & (peer_last < done_at))

@@ -392,6 +392,10 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
         found = detect_format(directory) if format == "auto" else format
         if found is not None:
             return import_trace(directory, found, layout)
+    if not files and format == "auto":  # nothing recognised: say what was looked for, in every format
+        from megatrace.analyze.importers import not_a_trace
+
+        raise TraceLoadError(not_a_trace(directory))
     if not files:
         raise TraceLoadError(f"{directory}: not a MegaTrace trace directory: no ring files "
                              f"(rank-NNNNN.ring) in it or in its rings/ subdirectory")

@@ -51,6 +51,9 @@ class RankInfo:
     anchor_wall_ns: int
     anchor_mono_ns: int
     unread: int = 0  # older records left in the ring, not loaded (a tail-only load: ``TraceSet.tail``)
+    ended_early: bool = False  # its records stop before its part of the job did (an imported log that lost its
+    #                            later dumps): calls of others after its last record are unobserved on it, and its
+    #                            silence after it is no stop
 
 
 @dataclass(frozen=True)

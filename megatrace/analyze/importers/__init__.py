@@ -14,7 +14,21 @@ from megatrace.analyze.importers.detect import FORMATS, detect_format
 from megatrace.analyze.traceset import TraceLoadError, TraceSet
 from megatrace.config import Layout
 
-__all__ = ["FORMATS", "detect_format", "import_trace"]
+__all__ = ["FORMATS", "detect_format", "import_trace", "not_a_trace"]
+
+
+def not_a_trace(directory: Path) -> str:
+    """The error for a directory in which no format was recognised: what was looked for, and where."""
+    try:
+        empty = not any(directory.iterdir())
+    except OSError:
+        empty = False
+    return (f"{directory}: not a trace directory{' (it is empty)' if empty else ''}: found none of MegaTrace ring "
+            f"files (rank-NNNNN.ring, in it or its rings/ subdirectory), PyTorch Flight Recorder dumps (pickle or "
+            f"JSON files named with the rank at the end, e.g. nccl_trace_rank_0), Megatrace NCCL-patch logs "
+            f"(rank_<R>.log of '[save_count N] ...' lines) or NCCL Inspector JSON lines (objects with header and "
+            f"coll_perf), in it or its subdirectories one level down; --format FORMAT reads it as one format and says "
+            f"what its files lack (FORMAT: {', '.join(f for f in FORMATS if f != 'auto')})")
 
 
 def import_trace(directory: str | Path, fmt: str = "auto", layout: Layout | None = None) -> TraceSet:
@@ -23,18 +37,19 @@ def import_trace(directory: str | Path, fmt: str = "auto", layout: Layout | None
     if fmt == "auto":
         fmt = detect_format(directory)
         if fmt is None:
-            raise TraceLoadError(
-                f"{directory}: not a trace directory: no ring files (rank-NNNNN.ring), Flight Recorder dumps, "
-                f"Megatrace NCCL logs (rank_<R>.log) or NCCL Inspector JSON lines in it or its subdirectories "
-                f"(--format forces a format)")
+            raise TraceLoadError(not_a_trace(directory))
     if fmt == "flight-recorder":
         from megatrace.analyze.importers.flight_recorder import load_flight_recorder
 
         return load_flight_recorder(directory, layout)
     if fmt == "nccl-log":
+        from megatrace.analyze.importers.detect import check_nccl_log_files
         from megatrace.analyze.importers.nccl_log import load_nccl_logs
 
-        return load_nccl_logs(directory, layout)
+        notes = check_nccl_log_files(directory)  # a rank's log the loader would pass over: an error, or a warning
+        trace = load_nccl_logs(directory, layout)
+        trace.problems.extend(notes)
+        return trace
     if fmt == "inspector":
         from megatrace.analyze.importers.inspector import load_inspector
 

@@ -14,9 +14,12 @@ right after), which is what the clock, matching and timing analyses then see.
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -29,6 +32,86 @@ from megatrace.trace.ring_format import Op, State
 
 class ImportFormatError(TraceLoadError):
     """A foreign trace file that cannot be read; the message names the file (and line)."""
+
+
+INT64_MAX = (1 << 63) - 1  # the record columns are int64 (times in ns, byte counts, sequence numbers)
+MAX_RANKS = 1 << 20  # a rank or communicator size beyond this is not a real job's (world-sized tables would be huge)
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong, _SHOW.maxlevel = 60, 60, 40, 3
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxset = 6
+_SHOW.maxdict = 4
+
+
+def shown(value: object) -> str:
+    """A short repr of an input value for an error message, however large, deep or self-referencing it is."""
+    if type(value) is int and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        return _SHOW.repr(value)
+    except (ValueError, RecursionError):  # (an integer too long to print, deep inside a container)
+        return f"a {type(value).__name__}"
+
+
+def _bound(n: int) -> str:
+    return {INT64_MAX: "2**63-1", -INT64_MAX - 1: "-2**63", (1 << 64) - 1: "2**64-1"}.get(n, str(n))
+
+
+class Fields:
+    """Checks one input record's fields (a dump entry, a log line, a JSON object) before they go into columns.
+
+    Every check returns the value or raises :class:`ImportFormatError` in one shape:
+    ``WHERE: field NAME: expected WHAT, got VALUE`` (``WHERE`` names the file and the entry or line).
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, name: str, expected: str, value: object) -> NoReturn:
+        raise ImportFormatError(f"{self.where}: field {name}: expected {expected}, got {shown(value)}")
+
+    def integer(self, name: str, value: object, lo: int = 0, hi: int = INT64_MAX, what: str = "") -> int:
+        """An integer (not a bool, not a float) in [lo, hi]."""
+        if type(value) is not int or not lo <= value <= hi:
+            self.fail(name, what or f"an integer from {_bound(lo)} to {_bound(hi)}", value)
+        return value
+
+    def decimal(self, name: str, text: str, lo: int = 0, hi: int = INT64_MAX, what: str = "") -> int:
+        """A number written in decimal digits (a text log's field) in [lo, hi]."""
+        value = int(text) if len(text) <= 40 else None  # (never convert thousands of digits)
+        if value is None or not lo <= value <= hi:
+            raise ImportFormatError(f"{self.where}: field {name}: expected "
+                                    f"{what or f'a number from {_bound(lo)} to {_bound(hi)}'}, got "
+                                    f"{text if len(text) <= 40 else text[:40] + '…'}")
+        return value
+
+    def number(self, name: str, value: object, lo: float = 0, hi: float = INT64_MAX, what: str = "") -> float:
+        """A finite int or float (not a bool, not NaN or infinite) in [lo, hi]."""
+        if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
+            self.fail(name, what or f"a finite number from {_bound(int(lo))} to {_bound(int(hi))}", value)
+        return value
+
+    def text(self, name: str, value: object, optional: bool = False) -> str | None:
+        """A string (or, when ``optional``, None)."""
+        if not isinstance(value, str) and not (optional and value is None):
+            self.fail(name, "a string" + (" or null" if optional else ""), value)
+        return value
+
+    def mapping(self, name: str, value: object, optional: bool = False) -> dict:
+        """A dict (JSON object); when ``optional``, None or absent gives an empty dict."""
+        if value is None and optional:
+            return {}
+        if not isinstance(value, dict):
+            self.fail(name, "an object (a dict)" + (" or null" if optional else ""), value)
+        return value
+
+    def sequence(self, name: str, value: object, optional: bool = False) -> list | tuple:
+        """A list or tuple; when ``optional``, None or absent gives an empty list."""
+        if value is None and optional:
+            return []
+        if not isinstance(value, (list, tuple)):
+            self.fail(name, "a list" + (" or null" if optional else ""), value)
+        return value
 
 
 def group_id(namespace: str, key: str) -> int:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megatrace.analyze.traceset import TraceLoadError
+from megatrace.analyze.traceset import LoadProblem, TraceLoadError
 
 FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector")
 NCCL_LOG_RE = re.compile(r"^rank_(\d+)\.log$")
+NCCL_LOG_LIKE = re.compile(r"^rank_.*\.log$")  # named like a rank's NCCL log (maybe without a usable rank)
 NCCL_LINE = b"[save_count "
 SNIFF_BYTES = 4096
 
@@ -72,3 +73,47 @@ def _files(where: Path) -> list[Path]:
         return [p for p in where.iterdir() if p.is_file()]
     except OSError:
         return []
+
+
+def nccl_log_place(directory: Path) -> Path | None:
+    """Where the NCCL-patch logs are: the directory, or the first subdirectory, holding a ``rank_<R>.log`` that
+    starts like one (what :func:`nccl_log.load_nccl_logs` reads)."""
+    for where in _places(directory):
+        if any(NCCL_LOG_RE.match(p.name) and NCCL_LINE in _head(p) for p in _files(where)):
+            return where
+    return None
+
+
+def check_nccl_log_files(directory: Path) -> list[LoadProblem]:
+    """Every file named like a rank's log beside the NCCL-patch logs must be one: the loader reads only those
+    whose name gives the rank and whose first bytes are log lines, and a rank missed that way changes the verdict.
+
+    Raises :class:`ImportFormatError` (naming the file, and the line when one is at fault) for a name without a
+    rank number, a rank out of range, or a file whose content is not NCCL log lines; returns a warning for each
+    file without any call (empty: the rank is analysed as missing).
+    """
+    from megatrace.analyze.importers.common import MAX_RANKS, ImportFormatError
+    from megatrace.analyze.importers.nccl_log import parse_log
+
+    where = nccl_log_place(directory)
+    notes: list[LoadProblem] = []
+    if where is None:
+        return notes
+    for path in sorted(p for p in _files(where) if NCCL_LOG_LIKE.match(p.name)):
+        named = NCCL_LOG_RE.match(path.name)
+        if not named:
+            raise ImportFormatError(f"{path}: named like a Megatrace NCCL log, but not rank_<R>.log with R the rank's "
+                                    f"number: its calls cannot be given a rank (rename it, or move it out of "
+                                    f"{where})")
+        if int(named.group(1)) >= MAX_RANKS:
+            raise ImportFormatError(f"{path}: rank {named.group(1)} in the name: expected a rank below {MAX_RANKS}")
+        if NCCL_LINE in _head(path):
+            continue  # read (and checked line by line) by the loader
+        _, calls = parse_log(path, [])  # not a log from its first bytes: says which line is wrong
+        if calls:
+            raise ImportFormatError(f"{path}: its first NCCL log line comes after the first {SNIFF_BYTES} bytes "
+                                    f"(blank lines before it?), where the logs are recognised; remove what precedes it")
+        notes.append(LoadProblem("warning", "nccl-log-empty", f"{path}: no calls in it (empty: the rank logged "
+                                 f"nothing, or its log was lost); rank {int(named.group(1))} is analysed as missing",
+                                 paths=(str(path),)))
+    return notes

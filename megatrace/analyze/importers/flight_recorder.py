@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrace.analyze.importers.common import (ImportedRank, ImportFormatError, build_traceset, group_id,
-                                                infer_completions, new_columns)
-from megatrace.analyze.importers.safe_pickle import UnsafePickleError, safe_loads
+from megatrace.analyze.importers.common import (INT64_MAX, MAX_RANKS, Fields, ImportedRank, ImportFormatError,
+                                                build_traceset, group_id, infer_completions, new_columns, shown)
+from megatrace.analyze.importers.safe_pickle import MAX_BYTES, UnsafePickleError, safe_loads
 from megatrace.analyze.traceset import LoadProblem, TraceSet, plural
 from megatrace.config import Layout
 from megatrace.trace.ring_format import Dtype, Flag, Op, State
@@ -91,17 +91,36 @@ def looks_like_dump(path: Path) -> bool:
 
 def find_dumps(directory: Path) -> list[Path]:
     """Dump files in ``directory`` (or, when it has none, its subdirectories one level down)."""
-    for where in [directory] + sorted(p for p in directory.iterdir() if p.is_dir()):
-        found = sorted(p for p in where.iterdir() if p.is_file() and not p.name.endswith(".tmp")
+    from megatrace.analyze.importers.detect import _files, _places
+
+    for where in _places(directory):
+        found = sorted(p for p in _files(where) if not p.name.endswith(".tmp")
                        and dump_rank(p) is not None and looks_like_dump(p))
         if found:
             return found
     return []
 
 
+def _siblings(dumps: list[Path]) -> list[Path]:
+    """Files beside ``dumps`` named like them (the same text before the rank, the same suffix) that do not look
+    like dumps (empty, cut short before the sniffed keys, another format): a rank's dump that would be missed."""
+    from megatrace.analyze.importers.detect import _files
+
+    names = {(m.group(1), m.group(3)) for p in dumps if (m := RANK_RE.match(p.name))}
+    return sorted(p for p in _files(dumps[0].parent) if p not in dumps and not p.name.endswith(".tmp")
+                  and (m := RANK_RE.match(p.name)) and (m.group(1), m.group(3)) in names)
+
+
 def read_dump(path: Path) -> dict:
-    """One dump, parsed safely and checked for the fields the importer needs."""
-    data = path.read_bytes()
+    """One dump, parsed safely and checked for the fields the importer needs (:func:`check_dump`)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ImportFormatError(f"{path}: {size} bytes: too large for a Flight Recorder dump (at most "
+                                    f"{MAX_BYTES >> 20} MiB)")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ImportFormatError(f"{path}: unreadable: {exc.strerror}") from None
     if not data:
         raise ImportFormatError(f"{path}: empty file (not a Flight Recorder dump)")
     if data.startswith(PICKLE_MAGIC):
@@ -114,38 +133,89 @@ def read_dump(path: Path) -> dict:
             dump = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             line = getattr(exc, "lineno", None)
+            if isinstance(exc, UnicodeDecodeError):
+                line = data[:exc.start].count(b"\n") + 1
             raise ImportFormatError(f"{path}{f', line {line}' if line else ''}: not a Flight Recorder dump "
                                     f"(neither a pickle nor valid JSON: {exc})") from None
-    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
-        raise ImportFormatError(f"{path}: not a Flight Recorder dump (no 'entries' list; keys: "
-                                f"{sorted(map(str, dump)) if isinstance(dump, dict) else type(dump).__name__})")
-    for i, e in enumerate(dump["entries"]):
-        missing = [k for k in REQUIRED if not isinstance(e, dict) or k not in e]
-        if missing:
-            raise ImportFormatError(f"{path}: entry {i}: missing {', '.join(missing)} (a Flight Recorder dump of "
-                                    f"another version, or a damaged one)")
-        pg = e["process_group"]
-        if not (isinstance(pg, (list, tuple)) and len(pg) == 2):
-            raise ImportFormatError(f"{path}: entry {i} (record {e['record_id']}): process_group should be "
-                                    f"(name, description), got {pg!r}")
-        if not isinstance(e["time_created_ns"], int) or not isinstance(e["collective_seq_id"], int):
-            raise ImportFormatError(f"{path}: entry {i} (record {e['record_id']}): time_created_ns and "
-                                    f"collective_seq_id must be integers")
+        except RecursionError:
+            raise ImportFormatError(f"{path}: not a Flight Recorder dump (JSON nested too deeply to read)") from None
+    check_dump(path, dump)
     return dump
 
 
+def check_dump(path: Path, dump: object) -> None:
+    """Check every field the importer reads, in one place: its type, and its range for the column it goes into.
+
+    Raises :class:`ImportFormatError` naming the file, the entry (and its record id) and the field:
+    ``FILE: entry N (record R): field X: expected ..., got ...``.
+    """
+    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
+        keys = ", ".join(sorted(map(shown, dump))[:12]) if isinstance(dump, dict) else type(dump).__name__
+        raise ImportFormatError(f"{path}: not a Flight Recorder dump (no 'entries' list; keys: {keys})")
+    top = Fields(str(path))
+    if type(dump.get("version", "")) not in (str, int, float):
+        top.fail("version", "a version string", dump["version"])
+    config = top.mapping("pg_config", dump.get("pg_config"), optional=True)
+    for name, c in config.items():
+        if type(name) not in (str, int) or not isinstance(c, dict):
+            raise ImportFormatError(f"{path}: pg_config: expected group name -> {{name, desc, ranks}}, got "
+                                    f"{shown(name)} -> {shown(c)}")
+        if "ranks" in c and _members(c["ranks"]) is None:
+            Fields(f"{path}: pg_config[{shown(name)}]").fail(
+                "ranks", f"a list of ranks from 0 to {MAX_RANKS - 1} (or its text, e.g. '[0, 1]')", c["ranks"])
+    records: dict[int, int] = {}
+    for i, e in enumerate(dump["entries"]):
+        if not isinstance(e, dict):
+            raise ImportFormatError(f"{path}: entry {i}: expected an entry (a dict), got {shown(e)}")
+        missing = [k for k in REQUIRED if k not in e]
+        if missing:
+            raise ImportFormatError(f"{path}: entry {i}: missing {', '.join(missing)} (a Flight Recorder dump of "
+                                    f"another version, or a damaged one)")
+        rid = Fields(f"{path}: entry {i}").integer("record_id", e["record_id"], what="a record id (an integer "
+                                                                                     "from 0 to 2**63-1)")
+        if rid in records:
+            raise ImportFormatError(f"{path}: entry {i}: field record_id: expected a record id of its own, got {rid} "
+                                    f"(entry {records[rid]}'s too: a damaged dump)")
+        records[rid] = i
+        at = Fields(f"{path}: entry {i} (record {rid})")
+        pg = e["process_group"]
+        if not (isinstance(pg, (list, tuple)) and len(pg) == 2 and all(type(x) in (str, int) for x in pg)):
+            at.fail("process_group", "(name, description), two strings", pg)
+        at.text("profiling_name", e["profiling_name"])
+        at.integer("time_created_ns", e["time_created_ns"], what="a wall-clock time in ns (an integer from 0 to "
+                                                                 "2**63-1)")
+        at.integer("collective_seq_id", e["collective_seq_id"], what="a sequence number (an integer from 0 to "
+                                                                     "2**63-1)")
+        if e.get("time_discovered_completed_ns") is not None:
+            at.integer("time_discovered_completed_ns", e["time_discovered_completed_ns"],
+                       what="a wall-clock time in ns (an integer from 0 to 2**63-1) or null")
+        at.text("state", e.get("state"), optional=True)
+        if e.get("retired") not in (None, True, False):
+            at.fail("retired", "true, false or null", e["retired"])
+        dtypes = at.sequence("input_dtypes", e.get("input_dtypes"), optional=True)
+        for k, name in enumerate(dtypes):
+            at.text(f"input_dtypes[{k}]", name)
+        total = 0
+        for k, shape in enumerate(at.sequence("input_sizes", e.get("input_sizes"), optional=True)):
+            dims = at.sequence(f"input_sizes[{k}]", shape)
+            for d in dims:
+                at.integer(f"input_sizes[{k}]", d, what="a tensor shape (integers from 0 to 2**63-1)")
+            total += math.prod(dims) * DTYPES.get(dtypes[k] if k < len(dtypes) else "", (Dtype.UNKNOWN, 1))[1]
+            if total > INT64_MAX:
+                at.fail("input_sizes", "tensors of fewer than 2**63 bytes in all", e["input_sizes"])
+
+
 def _members(raw: object) -> tuple[int, ...] | None:
+    """The ranks of a ``pg_config`` entry (a list, or its text as torch writes it: ``"[0, 1]"``; ``()`` when empty,
+    as on gloo), or None when they are not a list of ranks."""
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
-    if not isinstance(raw, (list, tuple)) or not raw:
+    if not isinstance(raw, (list, tuple)) or not all(type(r) is int and 0 <= r < MAX_RANKS for r in raw):
         return None
-    try:
-        return tuple(int(r) for r in raw)
-    except (TypeError, ValueError):
-        return None
+    return tuple(raw)
 
 
 def _op(name: str) -> tuple[Op, int | None, int | None, str]:
@@ -169,19 +239,14 @@ def _op(name: str) -> tuple[Op, int | None, int | None, str]:
 
 
 def _nbytes(sizes: object, dtypes: object) -> tuple[int, int]:
-    """(bytes, dtype code) of a list of shapes and their dtype names."""
+    """(bytes, dtype code) of a list of shapes and their dtype names (checked by :func:`check_dump`)."""
     total, code = 0, Dtype.UNKNOWN
-    if not isinstance(sizes, list):
-        return 0, code
-    names = dtypes if isinstance(dtypes, list) else []
-    for k, shape in enumerate(sizes):
+    names = dtypes or []
+    for k, shape in enumerate(sizes or []):
         dt = DTYPES.get(names[k] if k < len(names) else "", (Dtype.UNKNOWN, 1))
         if k == 0:
             code = dt[0]
-        try:
-            total += math.prod(int(x) for x in shape) * dt[1]
-        except (TypeError, ValueError):
-            pass
+        total += math.prod(shape) * dt[1]
     return total, int(code)
 
 
@@ -206,7 +271,7 @@ def import_dump(path: Path, rank: int, dump: dict, skipped: dict[str, int] | Non
         else:
             entries.append(e)
     config = dump.get("pg_config") if isinstance(dump.get("pg_config"), dict) else {}
-    members = {str(name): _members(c.get("ranks")) for name, c in config.items() if isinstance(c, dict)}
+    members = {str(name): _members(c.get("ranks")) or None for name, c in config.items()}
     cols = new_columns(len(entries))
     done = np.zeros(len(entries), bool)
     channel: dict[tuple[int, int, int], int] = {}
@@ -248,18 +313,30 @@ def load_flight_recorder(directory: Path, layout: Layout | None = None) -> Trace
         raise ImportFormatError(f"{directory}: no Flight Recorder dumps (pickle or JSON files whose names end "
                                 f"with the rank, e.g. nccl_trace_rank_0) in it or its subdirectories")
     problems: list[LoadProblem] = []
+    for path in _siblings(files):  # named like a rank's dump, not sniffed as one: empty, or read to say why not
+        if path.stat().st_size == 0:
+            problems.append(LoadProblem("warning", "fr-empty-dump", f"{path}: empty file (rank {dump_rank(path)}'s "
+                                        f"dump was not written, or cut off at once); analysed without it",
+                                        paths=(str(path),)))
+        else:
+            files.append(path)  # read_dump says what is wrong with it (or reads it: a dump after all)
     ranks: list[ImportedRank] = []
     versions: dict[str, list[int]] = {}
     names: dict[int, tuple[str, str]] = {}
     skipped: dict[str, int] = {}
+    gloo = False
     for path in files:
         rank = dump_rank(path)
+        if rank >= MAX_RANKS:
+            raise ImportFormatError(f"{path}: rank {rank} (from the file name): expected a rank below {MAX_RANKS}")
         dump = read_dump(path)
         versions.setdefault(str(dump.get("version", "?")), []).append(rank)
         ranks.append(import_dump(path, rank, dump, skipped))
+        ranks[-1].dropped = min((e["record_id"] for e in dump["entries"]), default=0)  # older ones left the ring
         for e in dump["entries"]:
             name = str(e["process_group"][0])
             names.setdefault(group_id("torch", name), (name, str(e["process_group"][1])))
+            gloo = gloo or e["profiling_name"].startswith("gloo:")
     if len(versions) > 1:
         problems.append(LoadProblem("warning", "fr-versions", "Flight Recorder dumps of different versions: " +
                                     "; ".join(f"{v}: ranks {r}" for v, r in sorted(versions.items()))))
@@ -267,10 +344,10 @@ def load_flight_recorder(directory: Path, layout: Layout | None = None) -> Trace
         problems.append(LoadProblem("info", "fr-skipped", "Flight Recorder entries of operations not analysed: " +
                                     ", ".join(f"{n} × {name}" for name, n in sorted(skipped.items()))))
     if not any(r.groups for r in ranks):
-        gloo = any(e["profiling_name"].startswith("gloo:") for e in dump["entries"])
         problems.append(LoadProblem(
             "info", "fr-no-members", "the dumps carry no group members (pg_config is empty): members come from the "
             "layout or the ranks that used each group" + ("; gloo records no point-to-point calls" if gloo else "")))
+    _outside_windows(ranks, problems)
     guessed = sum(int(r.done.sum()) for r in ranks if r.done is not None)
     infer_completions(ranks)
     world = max((len(g["ranks"]) for r in ranks for g in r.groups), default=0) or None  # the default group's size
@@ -280,3 +357,54 @@ def load_flight_recorder(directory: Path, layout: Layout | None = None) -> Trace
     return build_traceset(directory, NAME, ranks, world, problems, layout, names=names,
                           inferred=f"{guessed} of the entries finished without a completion time (their "
                                    f"instance's last arrival stands in)" if guessed else "", completions="arrivals")
+
+
+def _outside_windows(ranks: list[ImportedRank], problems: list[LoadProblem]) -> None:
+    """Leave out, on every rank, the collective instances that lie before some rank's window.
+
+    Each dump is a ring: a rank whose first entry has a record id above 0 lost its older entries, so its
+    window starts at its first entry, and each rank's starts elsewhere. Collectives of a group are called in
+    one order by all its members, so a member that recorded instance ``k`` of a group also made every earlier
+    one: an instance before a member's first recorded one is unobserved on it, not missing, and cannot be
+    judged (its completion, the last arrival, is unknown, and the members' calls no longer pair up one by
+    one). Ranks are also compared across groups (a slow rank's pipeline neighbours wait for it in receives a
+    gloo dump does not record, which only its own slowness explains), so the common window is kept: every
+    collective instance with an entry created before the latest window start (the first entry of a rank that
+    lost older ones), or before a member's first recorded instance of its group, is left out on every rank,
+    and a note says how many. Point-to-point entries are kept (their order is per peer, not per group).
+    """
+    late = sorted(r.rank for r in ranks if r.dropped > 0 and len(r))
+    if not late:
+        return
+    start = max(int(r.columns["t_enqueue"].min()) for r in ranks if r.rank in late)
+    first: dict[int, int] = {}  # group -> the latest first recorded instance over its members
+    early: set[tuple[int, int]] = set()  # (group, instance) with an entry before the common window
+    for r in ranks:
+        c = r.columns
+        coll = (c["op"] != Op.SEND) & (c["op"] != Op.RECV)
+        for g in np.unique(c["group_id"][coll]).tolist():
+            lo = int(c["group_seq"][coll & (c["group_id"] == g)].min())
+            first[g] = max(first.get(g, lo), lo)
+        before = coll & (c["t_enqueue"] < start)
+        early.update(zip(c["group_id"][before].tolist(), c["group_seq"][before].tolist()))
+    left_out = 0
+    for r in ranks:
+        c = r.columns
+        coll = (c["op"] != Op.SEND) & (c["op"] != Op.RECV)
+        lo = np.array([first.get(g, 0) for g in c["group_id"].tolist()], np.int64)
+        drop = coll & ((c["group_seq"] < lo) | np.array([(g, q) in early for g, q in
+                                                          zip(c["group_id"].tolist(), c["group_seq"].tolist())], bool))
+        if not drop.any():
+            continue
+        left_out += int(drop.sum())
+        for name in c:
+            c[name] = c[name][~drop]
+        c["seq"] = np.arange(1, int((~drop).sum()) + 1, dtype=c["seq"].dtype)
+        if r.done is not None:
+            r.done = r.done[~drop]
+    if left_out:
+        problems.append(LoadProblem(
+            "info", "fr-windows", f"the dumps cover different windows (the rings of ranks {late[:12]}"
+            f"{' …' if len(late) > 12 else ''} had dropped older entries): {plural(left_out, 'entry')} of "
+            f"collectives before the common window were left out, so that every instance judged was seen by all "
+            f"its members and all ranks are compared over the same time", ranks=tuple(late)))

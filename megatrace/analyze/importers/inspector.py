@@ -36,8 +36,8 @@ import json
 import re
 from pathlib import Path
 
-from megatrace.analyze.importers.common import (ImportedRank, ImportFormatError, build_traceset, group_id,
-                                                new_columns)
+from megatrace.analyze.importers.common import (INT64_MAX, MAX_RANKS, Fields, ImportedRank, ImportFormatError,
+                                                build_traceset, group_id, new_columns)
 from megatrace.analyze.traceset import LoadProblem, TraceSet, plural
 from megatrace.config import Layout
 from megatrace.trace.ring_format import Op, State
@@ -53,9 +53,16 @@ _WS = re.compile(r"\s*")
 def iter_objects(path: Path):
     """(line number, object) for each JSON object in the file; errors name the file and line."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ImportFormatError(f"{path}: unreadable: {exc}") from None
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ImportFormatError(f"{path}: unreadable: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ImportFormatError(f"{path}, line {line}: not UTF-8 text (byte {data[exc.start]:#04x} at column "
+                                f"{column}; damaged NCCL Inspector output?)") from None
     decoder = json.JSONDecoder()
     at = _WS.match(text, 0).end()
     while at < len(text):
@@ -63,47 +70,84 @@ def iter_objects(path: Path):
         try:
             obj, end = decoder.raw_decode(text, at)
         except ValueError as exc:
-            raise ImportFormatError(f"{path}, line {line}: not a JSON object ({exc.msg}; truncated or damaged "
+            msg = getattr(exc, "msg", str(exc))
+            raise ImportFormatError(f"{path}, line {line}: not a JSON object ({msg}; truncated or damaged "
                                     f"NCCL Inspector output?)") from None
+        except RecursionError:
+            raise ImportFormatError(f"{path}, line {line}: not an NCCL Inspector record (JSON nested too deeply "
+                                    f"to read)") from None
         if not isinstance(obj, dict):
             raise ImportFormatError(f"{path}, line {line}: expected a JSON object, got {type(obj).__name__}")
         yield line, obj
         at = _WS.match(text, end).end()
 
 
+US_MAX = INT64_MAX // 1000  # times in µs become ns in int64 columns
+_TIME = "a time in µs (a finite number from 0 to 2**63/1000)"
+
+
+def _ns(us: float) -> int:
+    return min(int(us * 1000), INT64_MAX)  # (a float near the bound may round above it)
+
+
 def _record(path: Path, line: int, obj: dict) -> tuple | None:
     """(comm id, comm rank, n_ranks, op, sn, bytes, t_start_ns, t_stop_ns, host, pid, algo, verbose) or None
-    (a record without coll_perf)."""
+    (a record without coll_perf). Every field read is checked here, in one place (type, range for its column):
+    ``FILE, line N: field X: expected ..., got ...``."""
     perf = obj.get("coll_perf")
     if perf is None:
         return None
-    head, meta = obj.get("header"), obj.get("metadata") or {}
-    try:
-        comm, rank, n = str(head["id"]), int(head["rank"]), int(head["n_ranks"])
-        coll, sn = str(perf["coll"]), int(perf["coll_sn"])
-        size, exec_us = int(perf["coll_msg_size_bytes"]), float(perf["coll_exec_time_us"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ImportFormatError(f"{path}, line {line}: not an NCCL Inspector record (header.id/rank/n_ranks, "
-                                f"coll_perf.coll/coll_sn/coll_msg_size_bytes/coll_exec_time_us needed; "
-                                f"{type(exc).__name__}: {exc})") from None
+    at = Fields(f"{path}, line {line}")
+    need = ("not an NCCL Inspector record (header.id/rank/n_ranks, coll_perf.coll/coll_sn/coll_msg_size_bytes/"
+            "coll_exec_time_us needed")
+    if not isinstance(perf, dict) or not isinstance(obj.get("header"), dict):
+        why = "missing header" if "header" not in obj else "header and coll_perf must be objects"
+        raise ImportFormatError(f"{at.where}: {need}; {why})")
+    head = obj["header"]
+    missing = [f"header.{k}" for k in ("id", "rank", "n_ranks") if k not in head]
+    missing += [f"coll_perf.{k}" for k in ("coll", "coll_sn", "coll_msg_size_bytes", "coll_exec_time_us")
+                if k not in perf]
+    if missing:
+        raise ImportFormatError(f"{at.where}: {need}; missing {', '.join(missing)})")
+    meta = at.mapping("metadata", obj.get("metadata"), optional=True)
+    if type(head["id"]) not in (str, int):
+        at.fail("header.id", "a communicator id (a string)", head["id"])
+    comm = str(head["id"])
+    n = at.integer("header.n_ranks", head["n_ranks"], 1, MAX_RANKS, what=f"a communicator size (1 to {MAX_RANKS})")
+    rank = at.integer("header.rank", head["rank"], 0, n - 1, what=f"a rank in the communicator of {n} (0 to {n - 1})")
+    coll = at.text("coll_perf.coll", perf["coll"])
     if coll not in COLLS:
         raise ImportFormatError(f"{path}, line {line}: unknown collective {coll!r} (known: {', '.join(COLLS)})")
-    trace = perf.get("event_trace_ts") or {}
+    sn = at.integer("coll_perf.coll_sn", perf["coll_sn"], what="a sequence number (an integer from 0 to 2**63-1)")
+    size = at.integer("coll_perf.coll_msg_size_bytes", perf["coll_msg_size_bytes"],
+                      what="a byte count (an integer from 0 to 2**63-1)")
+    exec_us = at.number("coll_perf.coll_exec_time_us", perf["coll_exec_time_us"], hi=US_MAX,
+                        what="a duration in µs (a finite number from 0 to 2**63/1000)")
+    trace = at.mapping("coll_perf.event_trace_ts", perf.get("event_trace_ts"), optional=True)
     start = trace.get("coll_start_ts")
-    stops = [k.get("kernel_stop_ts") for k in trace.get("kernel_events") or [] if isinstance(k, dict)]
-    stops = [s for s in stops if isinstance(s, (int, float)) and s > 0]
-    if isinstance(start, (int, float)) and start > 0:
-        t0 = int(start * 1000)
-        t1 = int(max(stops) * 1000) if stops else t0 + int(exec_us * 1000)
+    if start is not None:
+        at.number("coll_perf.event_trace_ts.coll_start_ts", start, hi=US_MAX, what=_TIME)
+    stops = []
+    events = "coll_perf.event_trace_ts.kernel_events"
+    for k, ev in enumerate(at.sequence(events, trace.get("kernel_events"), optional=True)):
+        ev = at.mapping(f"{events}[{k}]", ev)
+        if ev.get("kernel_stop_ts") is not None:
+            stops.append(at.number(f"{events}[{k}].kernel_stop_ts", ev["kernel_stop_ts"], hi=US_MAX, what=_TIME))
+    stops = [s for s in stops if s > 0]
+    host = at.text("metadata.hostname", meta.get("hostname", ""), optional=True) or ""
+    pid = at.integer("metadata.pid", meta.get("pid", 0) or 0, 0, (1 << 31) - 1, what="a process id")
+    algo = at.text("coll_perf.coll_algo", perf.get("coll_algo", ""), optional=True) or ""
+    if start is not None and start > 0:
+        t0 = _ns(start)
+        t1 = _ns(max(stops)) if stops else min(t0 + _ns(exec_us), INT64_MAX)
     else:
         dumped = meta.get("dump_timestamp_us")
-        if not isinstance(dumped, (int, float)):
+        if dumped is None:
             raise ImportFormatError(f"{path}, line {line}: no time (neither event_trace_ts.coll_start_ts nor "
                                     f"metadata.dump_timestamp_us)")
-        t1 = int(dumped * 1000)
-        t0 = t1 - int(exec_us * 1000)
-    return (comm, rank, n, COLLS[coll], sn, size, t0, max(t1, t0), str(meta.get("hostname", "")),
-            int(meta.get("pid", 0) or 0), str(perf.get("coll_algo", "")), bool(trace))
+        t1 = _ns(at.number("metadata.dump_timestamp_us", dumped, hi=US_MAX, what=_TIME))
+        t0 = max(t1 - _ns(exec_us), 0)
+    return (comm, rank, n, COLLS[coll], sn, size, t0, max(t1, t0), host, pid, algo, bool(trace))
 
 
 def find_files(directory: Path) -> list[Path]:
@@ -122,7 +166,17 @@ def load_inspector(directory: Path, layout: Layout | None = None) -> TraceSet:
     if not files:
         raise ImportFormatError(f"{directory}: no NCCL Inspector output (JSON objects with header and coll_perf) "
                                 f"in it or its subdirectories")
+    from megatrace.analyze.importers.detect import _files, _head
+
     problems: list[LoadProblem] = []
+    suffixes = {p.suffix for p in files}
+    for path in sorted(p for p in _files(files[0].parent) if p.suffix in suffixes and p not in files):
+        head = _head(path).lstrip()
+        if not head:  # beside the Inspector files, with their suffix: a process's file, empty
+            problems.append(LoadProblem("warning", "inspector-empty", f"{path}: empty (no collective of this "
+                                        f"process was written); analysed without it", paths=(str(path),)))
+        elif head.startswith(b"{"):  # a JSON object not recognised from its first bytes: read, to say what is wrong
+            files.append(path)
     per_file: dict[Path, list[tuple]] = {}
     for path in files:
         recs = [r for line, obj in iter_objects(path) if (r := _record(path, line, obj)) is not None]
@@ -136,6 +190,9 @@ def load_inspector(directory: Path, layout: Layout | None = None) -> TraceSet:
     for path, recs in per_file.items():
         in_world = {r[1] for r in recs if r[2] == world}
         named = TRAILING_RANK.search(path.name)
+        if named and int(named.group(1)) >= MAX_RANKS:
+            raise ImportFormatError(f"{path}: rank {named.group(1)} (from the file name): expected a rank below "
+                                    f"{MAX_RANKS}")
         if named:
             global_rank[path] = int(named.group(1))
         elif len(in_world) == 1:

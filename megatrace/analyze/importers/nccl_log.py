@@ -18,25 +18,35 @@ with an optional trailing `` groupHash <int>`` in newer builds. Facts that shape
   communicator; streams with send/recv are the pipeline's, collective streams are matched to the layout's
   groups (``config.yaml``: ``TP``, ``PP``, ``world_size``; Megatron order) by call volume (TP calls
   more often than DP: Megatron's pattern) when both have more than one rank;
+* a send/recv on a communicator of more than two ranks (a Megatron pipeline group) names no peer: the
+  peer and the pairing are inferred from the call sequences of adjacent stages (:func:`_p2p_partners`);
 * completion is inferred: a collective is complete when every member enqueued it (at its last arrival)
   and no member had an earlier call that could not complete (a GPU stream runs its work in order); a
   send/recv when both sides posted it. What a member never enqueued is what the others wait for: the
-  first call of a rank that cannot complete is the one it waits in. A member whose log starts after a
-  call (its ring wrapped) is not counted as missing from it.
+  first call of a rank that cannot complete is the one it waits in.
+* each rank's log is a window of its calls, and windows differ. A member is not counted as missing from
+  a call its window does not cover: a call of a channel (a communicator, or one direction of a send/recv
+  pair) before a later call of that channel in its log (its ring wrapped, or a dump in between is lost:
+  calls of a channel are made in order, so it made this one too); a call whose last arrival precedes its
+  log; a call after the end of a log that ended early (its later dumps are missing), told apart from a
+  rank that stopped by what the others did after it (:func:`_ended_early`; a warning names such ranks and
+  the analysis does not take the end of their log for a stop).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from megatrace.analyze.importers.common import (ImportedRank, ImportFormatError, build_traceset, dense_group_seq,
-                                                group_id, new_columns)
+from megatrace.analyze.importers.common import (INT64_MAX, MAX_RANKS, Fields, ImportedRank, ImportFormatError,
+                                                build_traceset, dense_group_seq, group_id, new_columns)
 from megatrace.analyze.importers.detect import NCCL_LOG_RE
-from megatrace.analyze.traceset import LoadProblem, TraceSet, plural
+from megatrace.analyze.traceset import LoadProblem, TraceSet, plural, rank_list
 from megatrace.config import GROUP_KINDS, Layout, LayoutError
 from megatrace.trace.ring_format import Flag, Op, State
 
@@ -49,8 +59,10 @@ FUNCS: dict[str, Op] = {"AllReduce": Op.ALL_REDUCE, "AllGather": Op.ALL_GATHER, 
 OP_SLOTS = 1 << 16  # calls per opCount kept apart in the sequence key (an NCCL group of more calls is unheard of)
 
 
-def parse_log(path: Path, problems: list[LoadProblem]) -> tuple[int, list[tuple]]:
-    """(rank, unique calls in time order) of one ``rank_<R>.log``; errors name the file and line."""
+def parse_log(path: Path, problems: list[LoadProblem],
+              dumps: dict[int, list[int]] | None = None) -> tuple[int, list[tuple]]:
+    """(rank, unique calls in time order) of one ``rank_<R>.log``; errors name the file and line. ``dumps``, when
+    given, receives save_count -> [first, last] line time of each dump (the window it covers)."""
     m = NCCL_LOG_RE.match(path.name)
     rank = int(m.group(1)) if m else None
     seen: dict[tuple, int] = {}
@@ -75,6 +87,13 @@ def parse_log(path: Path, problems: list[LoadProblem]) -> tuple[int, list[tuple]
                                     f"'[save_count N] [SEC.NSEC] [Rank R] Fun NAME Data N stream 0x.. opCount N "
                                     f"[groupHash N]')")
         save, sec, frac, line_rank, func, count, stream, op_count, ghash = got.groups()
+        at = Fields(f"{path}, line {no}")  # each number, checked for the int64 column it goes into
+        save = at.decimal("save_count", save, what="a dump number from 0 to 2**63-1")
+        line_rank = at.decimal("Rank", line_rank, hi=MAX_RANKS - 1, what=f"a rank below {MAX_RANKS}")
+        sec = at.decimal("time", sec, hi=INT64_MAX // 1_000_000_000 - 1, what="seconds since 1970, before 2262")
+        count = at.decimal("Data", count, what="an element count from 0 to 2**63-1")
+        op_count = at.decimal("opCount", op_count, hi=INT64_MAX // OP_SLOTS - 1, what="a launch count below 2**47")
+        ghash = None if ghash is None else at.decimal("groupHash", ghash, -(1 << 63), (1 << 64) - 1)
         if rank is not None and int(line_rank) != rank:
             raise ImportFormatError(f"{path}, line {no}: [Rank {line_rank}] in the file of rank {rank} (files of "
                                     f"different ranks mixed up?)")
@@ -85,6 +104,9 @@ def parse_log(path: Path, problems: list[LoadProblem]) -> tuple[int, list[tuple]
         t = int(sec) * 1_000_000_000 + int(frac.ljust(9, "0"))
         key = (t, func, int(count), stream, int(op_count), None if ghash is None else int(ghash))
         seen.setdefault(key, no)  # the same call in several (overlapping) dumps
+        if dumps is not None:
+            span = dumps.setdefault(int(save), [t, t])
+            span[0], span[1] = min(span[0], t), max(span[1], t)
     if len(hashes) > 1:
         raise ImportFormatError(f"{path}: some lines carry a groupHash and some do not (logs of two builds mixed)")
     if rank is None:
@@ -173,11 +195,15 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
     problems: list[LoadProblem] = []
     rank_calls: dict[int, list[tuple]] = {}
     paths: dict[int, str] = {}
+    dumps: dict[int, dict[int, list[int]]] = {}  # rank -> save_count -> [first, last] line time
     for path in files:
-        rank, calls = parse_log(path, problems)
+        spans: dict[int, list[int]] = {}
+        rank, calls = parse_log(path, problems, spans)
+        dumps[rank] = spans
         if rank in rank_calls:
             raise ImportFormatError(f"{path}: rank {rank} also in {paths[rank]}")
         rank_calls[rank], paths[rank] = calls, str(path)
+    _note_dump_gaps(dumps, problems)
     world = max(rank_calls) + 1
     config = layout or read_config(files[0].parent, world)
     if config is None and (directory / "layout.yaml").exists():
@@ -226,6 +252,7 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
             "streams and the layout" + ("" if config is not None else " (no config.yaml/layout: collectives are "
                                                                     "taken as world-wide)")))
 
+    partners = _p2p_partners(rank_calls, comm_of, config)  # send/recv of communicators of 3+ ranks
     ranks: list[ImportedRank] = []
     keys: dict[int, np.ndarray] = {}
     chan_keys: dict[int, np.ndarray] = {}
@@ -250,29 +277,35 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
             peer = -1
             if op in (Op.SEND, Op.RECV):
                 others = [m for m in members if m != rank]
-                peer = others[0] if len(others) == 1 else -1
+                peer = others[0] if len(others) == 1 else partners.get((rank, i), (-1, 0))[0]
                 cols["peer"][i] = peer
             src, dst = (rank, peer) if op == Op.SEND else (peer, rank) if op == Op.RECV else (0, 0)
             n = slot[(gid, c[4], op if op in (Op.SEND, Op.RECV) else 0, peer)]
             slot[(gid, c[4], op if op in (Op.SEND, Op.RECV) else 0, peer)] += 1
-            key[i] = c[4] * OP_SLOTS + n
+            key[i] = partners[(rank, i)][1] if (rank, i) in partners else c[4] * OP_SLOTS + n
             chan[i] = ((src + 1) << 21 | (dst + 1)) if op in (Op.SEND, Op.RECV) else 0
         ranks.append(ImportedRank(rank, paths[rank], cols, groups=[]))
         keys[rank], chan_keys[rank] = key, chan
     dense_group_seq(ranks, keys, chan_keys)
     for r in ranks:
         r.groups = [lines[g] for g in np.unique(r.columns["group_id"]).tolist()]
-    _infer_states(ranks, {gid: tuple(e["ranks"]) for gid, e in lines.items()})
+    ended = _infer_states(ranks, {gid: tuple(e["ranks"]) for gid, e in lines.items()}, dumps, problems)
     n = sum(len(r) for r in ranks)
     problems.append(LoadProblem("info", "imported", f"imported {plural(n, 'call')} of {plural(len(ranks), 'rank')} "
                                 f"from Megatrace NCCL logs (enqueue times only: completions inferred)"))
-    return build_traceset(directory, NAME, ranks, world, problems, config, names=names,
-                          inferred="the logs hold enqueue times only: completions were inferred from arrivals",
-                          completions="arrivals")
+    trace = build_traceset(directory, NAME, ranks, world, problems, config, names=names,
+                           inferred="the logs hold enqueue times only: completions were inferred from arrivals",
+                           completions="arrivals")
+    trace.rank_info = [dataclasses.replace(i, ended_early=True) if i.rank in ended else i for i in trace.rank_info]
+    return trace
 
 
-def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]]) -> None:
-    """Completed (at the last arrival) or not, per call; see the module docstring. Sets state, t_complete, flags."""
+def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]],
+                  dumps: dict[int, dict[int, list[int]]] | None = None,
+                  problems: list[LoadProblem] | None = None) -> dict[int, int]:
+    """Completed (at the last arrival) or not, per call; see the module docstring. Sets state, t_complete, flags.
+    ``dumps``: rank -> save_count -> [first, last] line time. Returns the ranks whose log ended early -> their
+    last call (:func:`_ended_early`)."""
     start = {r.rank: int(r.columns["t_enqueue"].min()) if len(r) else 0 for r in ranks}
     # instance / pair key per row
     inst: dict[int, np.ndarray] = {}
@@ -288,6 +321,7 @@ def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]]
     for r in ranks:
         for row, (k, t) in enumerate(zip(inst[r.rank].tolist(), r.columns["t_enqueue"].tolist())):
             arrivals.setdefault(k, []).append((r.rank, row, t))
+    where, last_seq = _channel_seqs(ranks, inst)
     expected: dict[int, set[int]] = {}
     for r in ranks:
         c = r.columns
@@ -301,11 +335,21 @@ def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]]
             else:
                 expected[k] = set(members.get(int(c["group_id"][row]), (r.rank,)))
     last = {k: max(t for _, _, t in a) for k, a in arrivals.items()}
+    ended = _ended_early(ranks, inst, where, last_seq, dumps or {}, problems)
     ok = {}
     for k, a in arrivals.items():
         present = {rk for rk, _, _ in a}
-        # a member whose log starts after this call's last arrival lost it to its ring: not missing
-        missing = {m for m in expected[k] - present if not (m in start and start[m] > last[k])}
+        g, chan, seq = where[k]
+        missing = set()
+        for m in expected[k] - present:
+            logged_to = last_seq.get(m, {}).get((g, chan))
+            if logged_to is not None and seq <= logged_to:
+                continue  # m logged a later call of this channel, so it made this one: its log lost it
+            if m in start and start[m] > last[k]:
+                continue  # m's log starts after this call's last arrival (its ring wrapped)
+            if m in ended and (logged_to is not None or min(t for _, _, t in a) > ended[m]):
+                continue  # m's log ended early (its later dumps are missing): the call is after its window
+            missing.add(m)
         ok[k] = not missing
     # a GPU stream runs in order: after a call that cannot complete, nothing of that rank completes
     changed = True
@@ -330,3 +374,372 @@ def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]]
         first = np.flatnonzero(~done)
         if len(first):
             c["flags"][first[0]] = 0  # ... which is the call the rank waits in
+    return ended
+
+
+LEAD_MIN = 2  # collectives another member logged past a rank's last one, at the least, for its log to have ended early
+
+
+def _channel_seqs(ranks: list[ImportedRank], inst: dict[int, np.ndarray]
+                  ) -> tuple[dict[int, tuple[int, object, int]], dict[int, dict[tuple[int, object], int]]]:
+    """(instance -> (group, channel, place), rank -> (group, channel) -> the last place it logged). The channel
+    is 0 for a collective, (source, destination) for a send/recv."""
+    where: dict[int, tuple[int, object, int]] = {}
+    last_seq: dict[int, dict[tuple[int, object], int]] = {}
+    for r in ranks:
+        c = r.columns
+        mine = last_seq.setdefault(r.rank, {})
+        for k, g, q, op, peer in zip(inst[r.rank].tolist(), c["group_id"].tolist(), c["group_seq"].tolist(),
+                                     c["op"].tolist(), c["peer"].tolist()):
+            chan: object = 0 if op not in (Op.SEND, Op.RECV) else (r.rank, peer) if op == Op.SEND else (peer, r.rank)
+            where.setdefault(k, (g, chan, q))
+            if q > mine.get((g, chan), -1):
+                mine[(g, chan)] = q
+    return where, last_seq
+
+
+def _note_dump_gaps(dumps: dict[int, dict[int, list[int]]], problems: list[LoadProblem]) -> None:
+    """An info note for logs whose save_counts skip numbers: dumps lost in between. Their calls are judged by the
+    in-order rule (a member that logged a later call of a channel made the earlier ones), not taken as missing."""
+    gaps = {rank: sorted(set(range(min(d), max(d) + 1)) - set(d)) for rank, d in dumps.items() if d}
+    gaps = {rank: g for rank, g in gaps.items() if g}
+    if gaps:
+        worst = max(gaps, key=lambda r: len(gaps[r]))
+        problems.append(LoadProblem(
+            "info", "nccl-log-gaps", f"the logs of {plural(len(gaps), 'rank')} lack dumps between their first and last "
+            f"(save_count gaps; rank {worst}: {rank_list(gaps[worst])}): their calls in between are unobserved, "
+            f"and a rank that logged a later call of a communicator is taken to have made the earlier ones: ranks "
+            f"{rank_list(sorted(gaps))}", ranks=tuple(sorted(gaps))))
+
+
+def _ended_early(ranks: list[ImportedRank], inst: dict[int, np.ndarray], where: dict[int, tuple[int, object, int]],
+                 last_seq: dict[int, dict[tuple[int, object], int]], dumps: dict[int, dict[int, list[int]]],
+                 problems: list[LoadProblem] | None) -> dict[int, int]:
+    """Ranks whose log ends before their part of the job did (their later dumps are missing) -> their last call.
+
+    A log that ends is either a rank that stopped (a hang: it goes idle, the patch dumps what it has, and
+    nothing comes after) or a file that lost its later dumps. What the other ranks did after it tells them
+    apart. Let ``y`` share a communicator with ``m`` and have logged at least :data:`LEAD_MIN` collectives of
+    it after ``m``'s last one. Had ``m`` stopped, ``y`` would wait in the first of them for ever: a blocking
+    call never returns, and an NCCL collective queued behind a stuck one never completes, so a host that
+    waits for it goes idle and never resumes. So ``m``'s log ended early when, besides, ``y`` went on past
+    that first call in a way only progress explains: it went idle and resumed (one of its dumps ends between
+    the first and the last of those calls: the patch dumps when a rank was idle for its sensitivity time),
+    or its calls there go on longer after ``m``'s last call than the shortest idle that ever preceded a dump
+    in these logs (a stand-in for that sensitivity). Such an ``m`` is unobserved after its last call, not
+    stopped: the calls of its communicators after its window are not counted as missing on it, and a
+    warning says so (no hang is inferred from the end of its log).
+
+    Only collectives count: a send may complete before its receive is posted (eager transports), so sends to a
+    stopped rank can run ahead of it. Limits: a rank whose lost dumps held less than :data:`LEAD_MIN`
+    collectives more than its partners' logs show still looks stopped (briefly: at most a possible hang); a
+    partner that queued many asynchronous collectives and idled between them for reasons of its own, for longer
+    than the shortest idle before a dump, would hide a real hang.
+    """
+    times: dict[tuple[int, object], dict[int, tuple[list[int], list[int]]]] = {}  # channel -> rank -> (places, t)
+    for r in ranks:
+        for k, t in zip(inst[r.rank].tolist(), r.columns["t_enqueue"].tolist()):
+            g, chan, q = where[k]
+            if chan == 0:
+                qs, ts = times.setdefault((g, chan), {}).setdefault(r.rank, ([], []))
+                qs.append(q)
+                ts.append(t)
+    ends = {rank: np.sort(np.array([span[1] for span in d.values()], np.int64)) for rank, d in dumps.items()}
+    idle = math.inf  # the shortest idle before a dump: from a dump's last line to the rank's next call
+    for r in ranks:
+        t_all = np.sort(r.columns["t_enqueue"])
+        for end in ends.get(r.rank, np.empty(0, np.int64))[:-1].tolist():
+            k = int(np.searchsorted(t_all, end, "right"))
+            if k < len(t_all):
+                idle = min(idle, int(t_all[k]) - end)
+    top = {ch: max(max(qs) for qs, _ in by.values()) for ch, by in times.items()}
+    out: dict[int, int] = {}
+    for r in ranks:
+        if not len(r):
+            continue
+        e_m = int(r.columns["t_enqueue"].max())
+        for ch, q_m in last_seq.get(r.rank, {}).items():
+            if ch not in times or top[ch] - q_m < LEAD_MIN:
+                continue
+            for y, (qs, ts) in times[ch].items():
+                beyond = [t for q, t in zip(qs, ts) if q > q_m]
+                if y == r.rank or len(beyond) < LEAD_MIN:
+                    continue
+                d = ends.get(y, np.empty(0, np.int64))
+                k = int(np.searchsorted(d, min(beyond), "left"))
+                if (k < len(d) and d[k] < max(beyond)) or max(beyond) - e_m > idle:
+                    out[r.rank] = e_m
+                    break
+            if r.rank in out:
+                break
+    if out and problems is not None:
+        latest = max(int(r.columns["t_enqueue"].max()) for r in ranks if len(r))
+        worst = min(out, key=lambda q: out[q])
+        problems.append(LoadProblem(
+            "warning", "nccl-log-window",
+            f"the logs of {plural(len(out), 'rank')} end before the job did (their later dumps are missing: ranks "
+            f"sharing a communicator with them went on with collectives they never logged): their calls after "
+            f"that are unobserved, not missing, and no hang is inferred from it; rank {worst}'s log ends "
+            f"{(latest - out[worst]) / 1e6:.1f} ms before the last call of the trace: ranks {rank_list(sorted(out))}",
+            ranks=tuple(sorted(out))))
+    return out
+
+
+# -- point-to-point partners on communicators of more than two ranks ---------------------------------------------
+
+def _group_ends(calls: list[tuple], comms: list[tuple[str, tuple[int, ...]]]) -> list[float]:
+    """Per call, when the rank moved on from it: the enqueue time of its next call that belongs to another NCCL
+    group (another communicator, or another opCount on the same one; one-rank communicators do not count);
+    infinity for the calls of its last group."""
+    ends = [math.inf] * len(calls)
+    after, run_key, run_first = math.inf, None, math.inf
+    for i in range(len(calls) - 1, -1, -1):  # backwards, run by run of calls of one group
+        ckey, members = comms[i]
+        if len(members) < 2:
+            continue
+        gkey = (ckey, calls[i][4])
+        if gkey != run_key:
+            after = run_first if run_key is not None else math.inf
+            run_key = gkey
+        run_first = calls[i][0]
+        ends[i] = after
+    return ends
+
+
+def _p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, int], tuple[str, tuple[int, ...]]],
+                  layout: Layout | None) -> dict[tuple[int, int], tuple[int, int]]:
+    """(rank, row) -> (peer or -1, its place in the channel peer -> rank or rank -> peer) for every send and recv
+    on a communicator of more than two ranks (a Megatron pipeline group: the log names no peer).
+
+    Rule. The candidates of a call are the adjacent stages of its pipeline group (the layout's stage order:
+    a stage sends forward to the next stage's rank of the same DP and TP coordinates and backward to the
+    previous one; no wrap-around, so the last-to-first transfer of an interleaved schedule is not recognised);
+    on a communicator that is not a layout pipeline group, every other member. A Send of ``N`` elements on
+    rank ``a`` pairs with a Recv of ``N`` elements on a candidate ``b`` when both were posted before either
+    rank moved on: each side's enqueue time is at most the other side's next call of another NCCL group (a
+    batch of send/recv is waited on before the rank goes on: Megatron-LM's ``batch_p2p_sync``, gloo), give
+    or take :data:`P2P_SKEW_NS` of clock difference between hosts (a send that completes before its receive
+    is posted, as small messages may, and whose rank then moved on, is not paired: see below). Candidate pairs
+    are taken greedily, the one whose receiving rank stayed the shortest in its group after the transfer
+    could start first (a receive completes once its send is posted, and its rank then moves on), each call at
+    most once, keeping every channel first-in first-out (NCCL matches the k-th send a -> b with the k-th
+    receive on b from a). A greedy choice can take the partner of another call: augmenting paths then pair as
+    many calls as possible (a call left alone takes a candidate whose partner moves to another of its
+    candidates, and so on), and the fewest pairs that would break a channel's order are undone. On the demo's
+    TP2 x PP4 runs this gets 98-100% of the peers right; the rest are two neighbouring calls swapped.
+
+    A call left without a partner (its partner fell outside the other rank's log, or was never posted: what a
+    hang leaves) gets its peer by elimination among its candidates, each step applied while more than one
+    remains (and only if one survives it): drop a candidate whose own last group is left with calls of the
+    same kind only (two ranks both waiting in a receive, or both in a send, cannot serve each other); keep
+    those that logged nothing on the communicator after the call (they never posted its partner); keep those
+    whose log starts after it (the partner was lost to their ring). One candidate left: the peer; else -1
+    (unknown: the call is then not judged). Places: within each channel, matched pairs and unmatched calls
+    are numbered in order, a pair sharing its number, an unmatched call a number of its own.
+    """
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    comms: dict[str, tuple[int, ...]] = {}
+    ops: dict[str, dict[int, list[int]]] = {}  # communicator -> rank -> rows of its send/recv
+    ends: dict[int, list[float]] = {}
+    for rank, calls in rank_calls.items():
+        mine = [comm_of[(rank, i)] for i in range(len(calls))]
+        for i, c in enumerate(calls):
+            ckey, members = mine[i]
+            if c[1] in ("Send", "Recv") and len(members) > 2:
+                comms[ckey] = members
+                ops.setdefault(ckey, {}).setdefault(rank, []).append(i)
+        if any(len(m) > 2 and c[1] in ("Send", "Recv") for c, (_, m) in zip(calls, mine)):
+            ends[rank] = _group_ends(calls, mine)
+    first_t = {r: calls[0][0] for r, calls in rank_calls.items() if calls}
+    for ckey, members in comms.items():
+        by_rank = ops[ckey]
+        stages = sorted(members, key=lambda m: layout.coords(m).pp) if layout is not None and \
+            _kind_of(members, layout) == "pp" else None
+
+        def candidates(rank: int, members: tuple[int, ...] = members, stages: list[int] | None = stages) -> list[int]:
+            if stages is None:
+                return [m for m in members if m != rank]
+            k = stages.index(rank)
+            return [stages[j] for j in (k - 1, k + 1) if 0 <= j < len(stages)]
+
+        matched = _match_p2p(rank_calls, by_rank, ends, candidates)
+        last_t = {r: rank_calls[r][rows[-1]][0] for r, rows in by_rank.items()}
+        stuck_kind = {}  # rank -> the one kind of call left unpaired in its last group ("Send" or "Recv")
+        for r, rows in by_rank.items():
+            tail = [i for i in rows if rank_calls[r][i][4] == rank_calls[r][rows[-1]][4] and (r, i) not in matched]
+            kinds = {rank_calls[r][i][1] for i in tail}
+            if len(kinds) == 1:
+                stuck_kind[r] = kinds.pop()
+        peer_of: dict[tuple[int, int], int] = {}
+        for rank, rows in by_rank.items():
+            for i in rows:
+                if (rank, i) in matched:
+                    peer_of[(rank, i)] = matched[(rank, i)][0]
+                    continue
+                t, kind = rank_calls[rank][i][0], rank_calls[rank][i][1]
+                cands = [m for m in candidates(rank) if m != rank]
+                for step in ("not waiting alike", "silent after", "log starts after"):
+                    if len(cands) < 2:
+                        break
+                    if step == "not waiting alike":
+                        left = [m for m in cands if stuck_kind.get(m) != kind or rank not in candidates(m)]
+                    elif step == "silent after":
+                        left = [m for m in cands if last_t.get(m, -math.inf) < t]
+                    else:
+                        left = [m for m in cands if first_t.get(m, math.inf) > t]
+                    cands = left or cands
+                peer_of[(rank, i)] = cands[0] if len(cands) == 1 else -1
+        out.update(_channel_places(rank_calls, by_rank, peer_of, matched))
+    return out
+
+
+def _slack(ns: float) -> float:
+    """Time a rank stayed in a group after a transfer could start; the last group (never left) counts 1 h."""
+    return 3.6e12 if ns == math.inf else max(ns, 0.0)
+
+
+P2P_SKEW_NS = 200_000  # clock difference allowed between two hosts' logs when pairing a send with its receive
+
+
+def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]], ends: dict[int, list[float]],
+               candidates) -> dict[tuple[int, int], tuple[int, int]]:
+    """(rank, row) -> (peer, peer's row) for the send/recv pairs of one communicator; see :func:`_p2p_partners`."""
+    import bisect
+
+    recvs: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}  # rank -> (enqueue, moved-on, rows)
+    for rank, rows in by_rank.items():
+        mine = [i for i in rows if rank_calls[rank][i][1] == "Recv"]
+        recvs[rank] = (np.array([rank_calls[rank][i][0] for i in mine], np.float64),
+                       np.array([ends[rank][i] for i in mine], np.float64), mine)
+    edges = []
+    for rank, rows in by_rank.items():
+        calls, end = rank_calls[rank], ends[rank]
+        for dst in candidates(rank):
+            if dst not in recvs or not len(recvs[dst][2]):
+                continue
+            t_r, e_r, r_rows = recvs[dst]
+            dcalls = rank_calls[dst]
+            for i in rows:
+                c = calls[i]
+                if c[1] != "Send":
+                    continue
+                lo = int(np.searchsorted(e_r, c[0] - P2P_SKEW_NS, "left"))
+                hi = int(np.searchsorted(t_r, end[i] + P2P_SKEW_NS, "right"))
+                for k in range(lo, hi):
+                    j = r_rows[k]
+                    if dcalls[j][2] == c[2] and t_r[k] <= end[i] + P2P_SKEW_NS and e_r[k] >= c[0] - P2P_SKEW_NS:
+                        at = max(c[0], dcalls[j][0])
+                        slack = _slack(e_r[k] - at)
+                        edges.append((slack, at, rank, i, dst, j))
+    edges.sort()
+    matched: dict[tuple[int, int], tuple[int, int]] = {}
+    fifo: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (src, dst) -> (send rows, recv rows), by send
+    for _, _, src, i, dst, j in edges:
+        if (src, i) in matched or (dst, j) in matched:
+            continue
+        s_rows, r_rows = fifo.setdefault((src, dst), ([], []))
+        k = bisect.bisect_left(s_rows, i)
+        if (k > 0 and r_rows[k - 1] > j) or (k < len(s_rows) and r_rows[k] < j):
+            continue  # would overtake a pair of the same channel
+        s_rows.insert(k, i)
+        r_rows.insert(k, j)
+        matched[(src, i)], matched[(dst, j)] = (dst, j), (src, i)
+    _augment(edges, matched)
+    _keep_order(matched, rank_calls)
+    return matched
+
+
+def _keep_order(matched: dict[tuple[int, int], tuple[int, int]], rank_calls: dict[int, list[tuple]]) -> None:
+    """Unpair the fewest pairs so that every channel stays first-in first-out (augmenting paths ignore the
+    order): per channel, the longest run of pairs whose receives come in the order of their sends is kept."""
+    import bisect
+
+    by_channel: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (src, dst) -> [(send row, recv row)]
+    for (rank, i), (peer, j) in matched.items():
+        if rank_calls[rank][i][1] == "Send":
+            by_channel.setdefault((rank, peer), []).append((i, j))
+    for (src, dst), pairs in by_channel.items():
+        pairs.sort()
+        tops: list[int] = []  # patience sorting: the smallest last receive of an increasing run of each length
+        ends_at: list[int] = []  # ... and the index of the pair that ends it
+        prev = [-1] * len(pairs)
+        for k, (_, j) in enumerate(pairs):
+            pos = bisect.bisect_left(tops, j)
+            if pos == len(tops):
+                tops.append(j)
+                ends_at.append(k)
+            else:
+                tops[pos], ends_at[pos] = j, k
+            prev[k] = ends_at[pos - 1] if pos > 0 else -1
+        keep, k = set(), ends_at[-1] if ends_at else -1
+        while k >= 0:
+            keep.add(k)
+            k = prev[k]
+        for k, (i, j) in enumerate(pairs):
+            if k not in keep:
+                del matched[(src, i)], matched[(dst, j)]
+
+
+AUGMENT_DEPTH = 12  # sends visited at most on one augmenting path
+
+
+def _augment(edges: list[tuple], matched: dict[tuple[int, int], tuple[int, int]]) -> None:
+    """Pair more calls than the greedy pass did: a send left alone takes a candidate receive, whose partner takes
+    another of its candidates, and so on until a receive left alone ends the chain (an augmenting path, cheapest
+    candidates first). A greedy choice that took the partner of another call is undone this way."""
+    adj: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for _, _, src, i, dst, j in edges:  # (sorted: cheapest first)
+        adj.setdefault((src, i), []).append((dst, j))
+
+    def extend(send: tuple[int, int], seen: set, depth: int) -> bool:
+        if depth > AUGMENT_DEPTH:
+            return False
+        for recv in adj.get(send, ()):
+            if recv in seen:
+                continue
+            seen.add(recv)
+            other = matched.get(recv)
+            if other is None or extend(other, seen, depth + 1):
+                matched[send], matched[recv] = recv, send
+                return True
+        return False
+
+    for send in list(adj):
+        if send not in matched:
+            extend(send, set(), 0)
+
+
+def _channel_places(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]],
+                    peer_of: dict[tuple[int, int], int],
+                    matched: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(rank, row) -> (peer, place in its channel): pairs share a place, unmatched calls get their own, in order."""
+    lists: dict[tuple[int, int], tuple[list, list]] = {}  # (src, dst) -> (sends on src, recvs on dst), in order
+    for rank, rows in by_rank.items():
+        for i in rows:
+            peer = peer_of[(rank, i)]
+            if rank_calls[rank][i][1] == "Send":
+                lists.setdefault((rank, peer), ([], []))[0].append((rank, i))
+            else:
+                lists.setdefault((peer, rank), ([], []))[1].append((rank, i))
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for sends, recvs in lists.values():
+        place, a, b = 0, 0, 0
+        while a < len(sends) or b < len(recvs):
+            s = sends[a] if a < len(sends) else None
+            r = recvs[b] if b < len(recvs) else None
+            place += 1
+            if s is not None and r is not None and matched.get(s) == r:
+                out[s], out[r] = (peer_of[s], place), (peer_of[r], place)
+                a, b = a + 1, b + 1
+            elif s is not None and s not in matched:
+                out[s] = (peer_of[s], place)
+                a += 1
+            elif r is not None and r not in matched:
+                out[r] = (peer_of[r], place)
+                b += 1
+            else:  # cannot happen: pairs keep their channel's order (_keep_order); never loop
+                for x in (s, r):
+                    if x is not None:
+                        out[x] = (peer_of[x], place)
+                a, b = a + (s is not None), b + (r is not None)
+    return out

@@ -11,7 +11,11 @@ numbers, booleans, None), so this reader admits exactly those:
 2. The data is then read by an :class:`pickle.Unpickler` whose ``find_class`` and
    ``persistent_load`` refuse everything, so that even an opcode missed by step 1 cannot reach a
    callable.
-3. The result is walked once more: anything that is not a plain container or scalar is refused.
+3. The result is walked once more: anything that is not a plain container or scalar is refused. The
+   walk visits each container once (a pickle's memo lets a few hundred bytes reference one list from
+   many places: 2**60 paths, one object per level), refuses a container that contains itself (a
+   cycle) and containers nested deeper than :data:`MAX_DEPTH`, so that what the importer reads next
+   is a finite tree of bounded depth; a pickle above :data:`MAX_BYTES` is refused unread.
 
 Every refusal raises :class:`UnsafePickleError` (a ``ValueError``) naming the file.
 """
@@ -23,6 +27,7 @@ import pickle
 import pickletools
 
 MAX_BYTES = 1 << 30  # a dump above 1 GiB is not a Flight Recorder dump (default ring: 2,000 entries)
+MAX_DEPTH = 32  # containers in containers: a Flight Recorder dump nests 5 deep (dump, entries, entry, sizes, shape)
 
 # Opcodes that only build plain values (containers, scalars) or manage the memo and the stack.
 ALLOWED_OPCODES = frozenset({
@@ -65,16 +70,49 @@ def check_opcodes(data: bytes, source: str) -> None:
 
 
 def _check_plain(value: object, source: str) -> None:
-    stack = [value]
+    """Refuse anything but plain containers and scalars, a container inside itself, or nesting deeper than
+    MAX_DEPTH. Depth first; a container is checked again only when reached deeper than before (at most
+    MAX_DEPTH times): linear in the number of distinct objects, however often they are referenced."""
+    containers = (dict, list, tuple, set, frozenset)
+    done: dict[int, int] = {}  # container id -> deepest depth it was checked at (ids are stable: ``value`` holds them)
+    path: set[int] = set()  # containers on the way from the top to the one being checked ...
+    keys: list[object] = []  # ... and the keys (indexes) that lead there, for the error messages
+    stack: list[tuple[object, int, bool, object]] = [(value, 1, False, None)]
     while stack:
-        v = stack.pop()
-        if type(v) not in PLAIN_TYPES:
-            raise UnsafePickleError(f"{source}: refused: the pickle holds a {type(v).__name__}, not plain data")
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend(v)
+        v, depth, leaving, key = stack.pop()
+        if leaving:
+            path.discard(id(v))
+            done[id(v)] = max(done.get(id(v), 0), depth)
+            keys.pop()
+            continue
+        kind = type(v)
+        if kind not in PLAIN_TYPES:
+            raise UnsafePickleError(f"{source}: refused: the pickle holds a {kind.__name__}{_at(keys, key)}, not "
+                                    f"plain data")
+        if kind not in containers or depth <= done.get(id(v), 0):
+            continue
+        if id(v) in path:
+            raise UnsafePickleError(f"{source}: refused: a {kind.__name__}{_at(keys, key)} contains itself (a cycle; "
+                                    f"a Flight Recorder dump is a tree of plain data)")
+        if depth > MAX_DEPTH:
+            raise UnsafePickleError(f"{source}: refused: containers nested more than {MAX_DEPTH} deep{_at(keys, key)} "
+                                    f"(a Flight Recorder dump nests 5 deep)")
+        path.add(id(v))
+        keys.append(key)
+        stack.append((v, depth, True, key))
+        pairs = [*((k, "<key>") for k in v), *((c, k) for k, c in v.items())] if kind is dict else \
+            [(c, i) for i, c in enumerate(v)]
+        stack.extend((c, depth + 1, False, k) for c, k in pairs if type(c) in containers or type(c) not in PLAIN_TYPES)
+
+
+def _at(keys: list[object], key: object) -> str:
+    """Where a value is in the pickle: `` at ['entries'][5]['frames']`` (the first levels only)."""
+    steps = [k for k in [*keys, key] if k is not None]
+    if not steps:
+        return ""
+    text = "".join("[<key>]" if k == "<key>" else f"[{str(k)[:40]!r}]" if isinstance(k, str) else f"[{k}]"
+                   for k in steps[:8])
+    return f" at {text}" + ("…" if len(steps) > 8 else "")
 
 
 def safe_loads(data: bytes, source: str = "<bytes>") -> object:
