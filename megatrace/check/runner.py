@@ -2,8 +2,8 @@
 
 Under MPI every task joins: the first task of each node checks that node;
 every task checks its own GPUs when Slurm bound the tasks to different GPUs
-(``CUDA_VISIBLE_DEVICES`` differs), else the first task checks them all (NVML
-sees all of a node's GPUs whatever ``CUDA_VISIBLE_DEVICES`` says); every task
+(``CUDA_VISIBLE_DEVICES`` differs), else the first task checks the job's GPUs
+(all of the node's when nothing says which: :func:`assign_gpus`); every task
 takes part in the all-reduce, the first tasks of the nodes measure
 the node x node matrix, and task 0 gathers everything, compares the nodes with
 each other and prints one table. Every task exits with the same status. A
