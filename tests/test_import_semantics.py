@@ -258,3 +258,17 @@ def test_flight_recorder_windows_that_start_apart_name_no_wrong_rank(slow_run: t
     assert set(named) <= {slow}, named
     if share == 0.5:  # half of the trace is still compared: the slow rank is named
         assert named == [slow], named
+
+
+def test_a_save_count_far_ahead_is_a_short_note_not_a_huge_range() -> None:
+    """A damaged save_count (0, then 10**15) must not make the gap note enumerate 10**15 numbers."""
+    import time
+
+    from megatrace.analyze.importers.nccl_log import _note_dump_gaps
+
+    problems: list = []
+    t = time.monotonic()
+    _note_dump_gaps({1: {0: [0, 0], 1: [0, 0], 10**15: [0, 0]}, 2: {0: [0, 0], 2: [0, 0]}}, problems)
+    assert time.monotonic() - t < 1.0
+    (note,) = problems
+    assert note.ranks == (1, 2) and "rank 1: [2, 3," in note.message and "999999999999986 more]" in note.message

@@ -227,9 +227,8 @@ def _pending(trace: TraceSet, m: MatchResult, t: _Tails, blocking: np.ndarray) -
     """
     rec, ix = trace.records, m.index
     col = np.arange(t.rows.shape[1])[None, :]
-    op = t.take(rec.op)
     is_async = (t.take(rec.flags) & Flag.ASYNC) != 0
-    progress = t.valid & ~blocking & (~is_async | (op >= Op.MARK_STEP))
+    progress = t.valid & _progress_rows(rec, t.rows, blocking)
     tail = blocking & (col > np.where(progress, col, -1).max(axis=1, keepdims=True))
     last_sync = np.where(tail & ~is_async, col, -1).max(axis=1, keepdims=True)
     waiting = tail & ((last_sync < 0) | (col == last_sync))
@@ -274,9 +273,7 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     last_row_pos = np.where(t.valid & (t.take(rec.op) < Op.MARK_STEP), t.rows, -1).max(axis=1)
     last_row = {int(r): int(p) for r, p in zip(trace.ranks, last_row_pos, strict=True) if p >= 0}
 
-    state = t.take(rec.state)
-    incomplete = t.valid & (t.take(rec.op) < Op.MARK_STEP) & ((state == State.ENQUEUED) | (state == State.FAILED)) \
-        & ((t.take(rec.flags) & Flag.NO_COMPLETION) == 0)
+    incomplete = t.valid & _blocking_rows(rec, t.rows)
     blocking = incomplete | _phantoms(trace, m, t, tc, last_by_rank)
     pending, outstanding = _pending(trace, m, t, blocking)
     finished = all(i.closed_cleanly for i in trace.rank_info) and not (rec.state[pending] == State.FAILED).any()

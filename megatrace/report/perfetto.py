@@ -251,12 +251,6 @@ def flow_links(ix: Any, rank: np.ndarray, te: np.ndarray) -> tuple[np.ndarray, n
     return fid, fph, flows
 
 
-def _us(ns: int) -> str:
-    """ns as µs with three decimals (exact: Perfetto reads ts/dur back to the ns)."""
-    q, r = divmod(ns, 1000)
-    return f"{q}.{r:03d}"
-
-
 def _js(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 

@@ -95,18 +95,18 @@ def parse_log(path: Path, problems: list[LoadProblem],
         count = at.decimal("Data", count, what="an element count from 0 to 2**63-1")
         op_count = at.decimal("opCount", op_count, hi=INT64_MAX // OP_SLOTS - 1, what="a launch count below 2**47")
         ghash = None if ghash is None else at.decimal("groupHash", ghash, -(1 << 63), (1 << 64) - 1)
-        if rank is not None and int(line_rank) != rank:
+        if rank is not None and line_rank != rank:
             raise ImportFormatError(f"{path}, line {no}: [Rank {line_rank}] in the file of rank {rank} (files of "
                                     f"different ranks mixed up?)")
-        rank = int(line_rank) if rank is None else rank
+        rank = line_rank if rank is None else rank
         if func not in FUNCS:
             raise ImportFormatError(f"{path}, line {no}: unknown function {func!r} (known: {', '.join(FUNCS)})")
         hashes.add(ghash is not None)
-        t = int(sec) * 1_000_000_000 + int(frac.ljust(9, "0"))
-        key = (t, func, int(count), stream, int(op_count), None if ghash is None else int(ghash))
+        t = sec * 1_000_000_000 + int(frac.ljust(9, "0"))
+        key = (t, func, count, stream, op_count, ghash)
         seen.setdefault(key, no)  # the same call in several (overlapping) dumps
         if dumps is not None:
-            span = dumps.setdefault(int(save), [t, t])
+            span = dumps.setdefault(save, [t, t])
             span[0], span[1] = min(span[0], t), max(span[1], t)
     if len(hashes) > 1:
         raise ImportFormatError(f"{path}: some lines carry a groupHash and some do not (logs of two builds mixed)")
@@ -393,15 +393,24 @@ def _channel_seqs(ranks: list[ImportedRank], inst: dict[int, np.ndarray]
 def _note_dump_gaps(dumps: dict[int, dict[int, list[int]]], problems: list[LoadProblem]) -> None:
     """An info note for logs whose save_counts skip numbers: dumps lost in between. Their calls are judged by the
     in-order rule (a member that logged a later call of a channel made the earlier ones), not taken as missing."""
-    gaps = {rank: sorted(set(range(min(d), max(d) + 1)) - set(d)) for rank, d in dumps.items() if d}
-    gaps = {rank: g for rank, g in gaps.items() if g}
+    gaps = {rank: _missing_runs(sorted(d)) for rank, d in dumps.items() if d}  # from the numbers seen: never
+    gaps = {rank: g for rank, g in gaps.items() if g}                            # a range as wide as a bad one
     if gaps:
-        worst = max(gaps, key=lambda r: len(gaps[r]))
+        worst = max(gaps, key=lambda r: sum(b - a + 1 for a, b in gaps[r]))
+        shown = [n for a, b in gaps[worst][:12] for n in range(a, min(b, a + 11) + 1)][:12]
+        total = sum(b - a + 1 for a, b in gaps[worst])
+        runs = rank_list(shown) if total == len(shown) else \
+            f"[{', '.join(map(str, shown))}, … {total - len(shown)} more]"
         problems.append(LoadProblem(
             "info", "nccl-log-gaps", f"the logs of {plural(len(gaps), 'rank')} lack dumps between their first and last "
-            f"(save_count gaps; rank {worst}: {rank_list(gaps[worst])}): their calls in between are unobserved, "
+            f"(save_count gaps; rank {worst}: {runs}): their calls in between are unobserved, "
             f"and a rank that logged a later call of a communicator is taken to have made the earlier ones: ranks "
             f"{rank_list(sorted(gaps))}", ranks=tuple(sorted(gaps))))
+
+
+def _missing_runs(seen: list[int]) -> list[tuple[int, int]]:
+    """The runs of numbers missing between consecutive ``seen`` (sorted) ones: [(first, last), ...]."""
+    return [(a + 1, b - 1) for a, b in zip(seen, seen[1:]) if b > a + 1]
 
 
 def _ended_early(ranks: list[ImportedRank], inst: dict[int, np.ndarray], where: dict[int, tuple[int, object, int]],
