@@ -291,6 +291,11 @@ def test_the_health_check_drains_a_failing_node_alerts_once_and_resumes_it(lab, 
     env = _clean_env(MEGATRACE_HISTORY=str(tmp_path / "history.db"), MEGATRACE_ALERTS=str(alerts),
                      MEGATRACE_THRESHOLDS="/etc/megatrace/thresholds.yaml")
     health = [MEGATRACE, "health", "--node", "n4", "--resume-after", "2"]
+    # slurmd's own HealthCheckProgram (every 300 s, and when slurmd starts) must judge from the same history:
+    # with one of its own, which never saw the drill, a run of it after the file is removed resumes n4 early.
+    site = Path("/etc/megatrace/slurm.conf")
+    site_text = site.read_text()
+    site.write_text(site_text.replace("HEALTH_ARGS=", f"HEALTH_ARGS=--history {tmp_path}/history.db ", 1))
     try:
         fail.write_text("drill: health check\n")
         os.chmod(fail, 0o644)
@@ -316,6 +321,7 @@ def test_the_health_check_drains_a_failing_node_alerts_once_and_resumes_it(lab, 
         assert nodes.returncode == 0 and "n4" in nodes.stdout and "drill: health check" in nodes.stdout
     finally:
         fail.unlink(missing_ok=True)
+        site.write_text(site_text)
         server.shutdown()
         _run(["scontrol", "update", "NodeName=n4", "State=RESUME"])
 

@@ -11,6 +11,7 @@ from megatrace import __version__
 from megatrace.check.probes import PROBES, listing, unknown
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+WATCHDOG_GRACE_S = 5.0  # under MPI, a task other than 0 whose watchdog fired waits this long before it exits
 
 
 def _known_probes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -114,6 +115,8 @@ def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_d
         click.echo(f"megatrace-check: FAIL {progress.node}: {report.results[-1].message}", err=True)
         if progress.root:
             _emit(report, quiet, outputs)
+        else:  # the other tasks' watchdogs fire at about the same time: leave task 0 the time to report first
+            time.sleep(WATCHDOG_GRACE_S)
 
     try:
         with Watchdog(timeout_s, progress.node, timed_out):
