@@ -11,10 +11,15 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+NATIVE := megatrace/trace/native/_ringfast.c megatrace/trace/native/ring_record.h \
+	megatrace/trace/native/c10d_hook.cpp megatrace/trace/nccl/*.c megatrace/trace/nccl/*.h
+
+$(STAMP): pyproject.toml Makefile $(NATIVE)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[torch,test,mpi]"
+	# The c10d dispatcher hook is compiled against the torch just installed (about 20 s).
+	$(BIN)/python -m megatrace.trace.dispatch_hook --build --check
 	touch $@
 
 # The main job on its embedded default (as root): the local Slurm lab (4 virtual nodes, installed

@@ -65,6 +65,7 @@ class RingWriter:
         self.wrapped = False
         self._first_overwrite = capacity + 1
         self.native = False
+        self.fast = None  # the C hot path (FastRing), shared with the c10d dispatcher hook
         if use_native:
             self._use_native()
         self.closed = False
@@ -81,6 +82,7 @@ class RingWriter:
         self.begin = fast.begin  # type: ignore[method-assign]
         self.complete = fast.complete  # type: ignore[method-assign]
         self.complete_now = fast.complete_now  # type: ignore[method-assign]
+        self.fast = fast
         self.native = True
 
     # -- creation ---------------------------------------------------------

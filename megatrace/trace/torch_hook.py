@@ -1,12 +1,20 @@
-"""The torch.distributed tracer: wraps every collective and point-to-point call.
+"""The torch.distributed tracer: records every collective and point-to-point call.
 
-:func:`install` replaces the public functions of
-``torch.distributed.distributed_c10d`` (and their re-exports in
-``torch.distributed``) with thin wrappers. A wrapper writes an "entered" record,
-calls the original, and records completion: at return for a blocking CPU call,
-from the work's future for an async CPU call, and from a polled device event or
-work for an accelerator call. Any internal error disables the record for that
-call with one warning; the training call itself always runs.
+Two layers, one record per call:
+
+* CPU (gloo) calls are recorded by the c10d dispatcher hook
+  (:mod:`megatrace.trace.dispatch_hook`), below every caller of a process group: the
+  Python API, DDP's reducer, functional collectives, FSDP, pipelining.
+* :func:`install` also replaces the public functions of
+  ``torch.distributed.distributed_c10d`` (and their re-exports in ``torch.distributed``)
+  with thin wrappers. They record what the hook does not: accelerator (NCCL) calls, and
+  every call when the hook is not built for this torch. A wrapper writes an "entered"
+  record, calls the original, and records completion: at return for a blocking CPU call,
+  from the work's future for an async CPU call, and from a polled device event or work for
+  an accelerator call.
+
+Any internal error disables the record for that call with one warning; the training call
+itself always runs.
 
 This module imports torch only inside :func:`install`.
 """
@@ -79,11 +87,12 @@ OP_SPECS: dict[str, OpSpec] = {
 class GroupTrace:
     """Per-group counters: the collective sequence and one sequence per p2p peer and direction."""
 
-    __slots__ = ("gid", "ranks", "seq", "send_seq", "recv_seq")
+    __slots__ = ("gid", "ranks", "seq", "send_seq", "recv_seq", "host_only")
 
-    def __init__(self, gid: int, ranks: tuple[int, ...]) -> None:
+    def __init__(self, gid: int, ranks: tuple[int, ...], host_only: bool = False) -> None:
         self.gid = gid
         self.ranks = ranks  # group rank -> global rank
+        self.host_only = host_only  # its backend runs on CPU tensors only (gloo): barriers dispatch to CPU
         self.seq = 0
         self.send_seq: dict[int, int] = {}
         self.recv_seq: dict[int, int] = {}
@@ -104,6 +113,9 @@ class Tracer:
         self._sweeper: UnwaitedSweeper | None = None
         self._events: list[Any] = []  # free device events
         self.step = -1
+        self.hook: Any = None  # megatrace.trace._c10d_hook, when it loads for this torch
+        self.hooked_ops: list[str] = []
+        self.cpu_native = False  # the hook records CPU calls into this process's ring
 
     # -- setup (cold) -----------------------------------------------------
     def start(self, settings: TracerSettings | None = None) -> None:
@@ -124,11 +136,14 @@ class Tracer:
             warn_once("ring-open", f"{exc}; tracing is off for this process, training goes on")
             return
         self.writer = writer
+        if self.hook is None:  # now, not at install(): torch may still be importing then
+            _install_dispatch_hook(self, self.torch)
+        self.attach_hook()
         try:
             writer.write_meta("process", rank=ident.rank, world_size=ident.world_size, local_rank=local_rank,
                               host=ident.host, pid=ident.pid, argv=sys.argv,
                               **{"torch": getattr(self.torch, "__version__", ""), **library_versions(self.torch)},
-                              backend=str(c10d.get_backend()))
+                              backend=str(c10d.get_backend()), capture=self.capture())
             writer.write_meta("env", vars=filter_env(env))
             self.resolve(None)
         except Exception as exc:  # noqa: BLE001
@@ -139,7 +154,41 @@ class Tracer:
             warn_once("job-inputs", f"cannot record the job's configuration: {exc!r}")
         atexit.register(self.shutdown)
 
+    def attach_hook(self) -> None:
+        """Let the dispatcher hook write CPU calls into this ring (it shares the C writer's counter)."""
+        if self.hook is None or self.writer is None:
+            return
+        fast = getattr(self.writer, "fast", None)
+        if fast is None:
+            warn_once("hook-python-writer", "the ring writer runs without its C hot path, so the c10d hook "
+                                            "cannot share it; only torch.distributed calls are traced")
+            return
+        try:
+            self.hook.set_on_wrap(self.writer._on_wrap)
+            self.hook.attach(*fast.shared_state())
+        except Exception as exc:  # noqa: BLE001
+            warn_once("hook-attach", f"c10d hook not attached ({exc!r}); only torch.distributed calls are traced")
+            return
+        self.cpu_native = True
+
+    def capture(self) -> dict[str, Any]:
+        """Which call paths this process records, for the trace's readers (see docs/trace-format.md)."""
+        return {"dispatcher_cpu": self.hooked_ops if self.cpu_native else [], "python_api": True}
+
+    def resolve_name(self, name: str) -> None:
+        """The hook met a group by name before any Python call did: register it (runs with the GIL)."""
+        try:
+            for pg, pg_name in list(self.c10d._world.pg_names.items()):
+                if pg_name == name:
+                    self.resolve(pg)
+                    return
+        except Exception as exc:  # noqa: BLE001
+            self.internal_error(exc)
+
     def shutdown(self) -> None:
+        if self.cpu_native:  # before the mapping can go away with the interpreter
+            self.hook.detach()
+            self.cpu_native = False
         for poller in (self._device_poller, self._sweeper):
             if poller is not None:
                 poller.stop()
@@ -160,13 +209,15 @@ class Tracer:
             if gid in self.gids and self.gids[gid] != name:
                 warn_once("gid-collision", f"group ids of {name!r} and {self.gids[gid]!r} collide")
             self.gids[gid] = name
-            gt = GroupTrace(gid, ranks)
-            self.groups[pg] = gt
             desc = str(getattr(pg, "group_desc", "") or "")
             try:
                 backend = str(c10d.get_backend(pg))
             except Exception:  # noqa: BLE001
                 backend = ""
+            gt = GroupTrace(gid, ranks, host_only=backend == "gloo")
+            self.groups[pg] = gt
+            if self.hook is not None:
+                self.hook.register_group(name, gid, ranks)
             assert self.writer is not None
             self.writer.write_meta("group", gid=gid, name=name, desc=desc, ranks=list(ranks), backend=backend)
         if group is None:
@@ -180,6 +231,8 @@ class Tracer:
         during finalization, which aborts the process ('terminate called ...')."""
         if group is None:
             self.groups.clear()
+            if self.hook is not None:
+                self.hook.forget_groups()
         else:
             gt = self.groups.pop(group, None)
             if gt is not None and self.groups.get(None) is gt:
@@ -309,6 +362,8 @@ def _make_wrapper(name: str, orig: Any, spec: OpSpec, tracer: Tracer, dtypes: di
                     nbytes, dtype, device = data.nbytes, dtypes.get(data.dtype, 0), (4 if data.is_cuda else 0)
                 else:
                     nbytes, dtype, device = _describe_many(data, dtypes)
+                if not device and tracer.cpu_native and (data is not None or gt.host_only):
+                    return orig(*args, **kwargs)  # the dispatcher hook records this CPU call
                 is_async = always_async or bool(args[ai] if ai < n else kwargs.get("async_op"))
                 flags = base_flags | device
                 if is_async:
@@ -361,10 +416,15 @@ def _make_batch_wrapper(orig: Any, tracer: Tracer) -> Any:
         if tracer.writer is None:
             return orig(p2p_op_list)
         outer, tracer.batch = tracer.batch, []
+        hook = tracer.hook if tracer.cpu_native else None
+        if hook is not None:
+            hook.set_batched(True)
         try:
             works = orig(p2p_op_list)
         finally:
             coalesced, tracer.batch = tracer.batch, outer
+            if hook is not None:
+                hook.set_batched(outer is not None)
         if coalesced:  # inner ops returned no work of their own: they finish with the batch
             try:
                 last = works[-1] if works else None
@@ -441,6 +501,26 @@ def _delegates(func: Any) -> bool:
         return False
     called = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"}
     return bool(called & (OP_SPECS.keys() - {func.__name__}))
+
+
+def _install_dispatch_hook(tracer: Tracer, torch: Any) -> None:
+    """Put the native kernel in front of c10d's CPU kernels; say once what is lost without it."""
+    from megatrace.trace import dispatch_hook
+
+    try:
+        hook = dispatch_hook.load(torch)
+        rows, skipped = dispatch_hook.spec_rows(torch)
+        tracer.hooked_ops = hook.install(rows)
+        hook.set_resolver(tracer.resolve_name)
+    except Exception as exc:  # noqa: BLE001 - HookUnavailable, or a registration the dispatcher refused
+        warn_once("dispatch-hook", f"{exc}; collectives that PyTorch issues from C++ (DDP's gradient "
+                                   "all-reduces, functional collectives, DTensor) are not traced, only "
+                                   "calls of the torch.distributed functions")
+        return
+    tracer.hook = hook
+    if skipped:
+        warn_once("dispatch-hook-skipped", f"c10d operators with an unknown schema are traced only through "
+                                           f"torch.distributed: {', '.join(skipped)}")
 
 
 def install(c10d: Any = None) -> bool:

@@ -3,7 +3,8 @@
  *
  * RingWriter (ring_writer.py) uses it when it was built and falls back to its
  * pure-Python twin otherwise; both write the same bytes (ring_record.h). Calls
- * run under the GIL, which also makes the sequence counter atomic.
+ * run under the GIL; the sequence counter is still taken atomically, because the
+ * c10d dispatcher hook (c10d_hook.cpp) allocates from it on threads without the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,7 +17,8 @@ typedef struct {
     int has_view;
     uint64_t capacity;
     uint64_t next_seq;
-    PyObject *on_wrap; /* called once with the first seq that overwrites an older record */
+    PyObject *on_wrap; /* called once with the first seq this writer sees overwrite an older record */
+    int wrap_told;
 } FastRing;
 
 static int FastRing_init(FastRing *self, PyObject *args, PyObject *kwds)
@@ -97,11 +99,12 @@ static PyObject *FastRing_begin(FastRing *self, PyObject *const *args, Py_ssize_
         || (nargs > 5 && arg_int(args, 5, 0, 0xff, &dtype) < 0)
         || (nargs > 6 && arg_int(args, 6, 0, 0xff, &flags) < 0))
         return NULL;
-    uint64_t seq = self->next_seq++;
+    uint64_t seq = __atomic_fetch_add(&self->next_seq, 1, __ATOMIC_RELAXED);
     uint64_t off = mt_record_begin((unsigned char *)self->view.buf, self->capacity, seq, group_seq, nbytes,
                                    (uint32_t)group_id, (int32_t)peer, (uint16_t)op, (uint8_t)dtype,
                                    (uint8_t)flags);
-    if (seq == self->capacity + 1 && self->on_wrap != NULL && self->on_wrap != Py_None) {
+    if (seq > self->capacity && !self->wrap_told && self->on_wrap != NULL && self->on_wrap != Py_None) {
+        self->wrap_told = 1;
         PyObject *r = PyObject_CallFunction(self->on_wrap, "K", (unsigned long long)seq);
         if (r == NULL)
             PyErr_Clear(); /* a failing warning must not fail the record */
@@ -159,7 +162,17 @@ static PyObject *FastRing_complete(FastRing *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* shared_state() -> (mapping address, capacity, address of the sequence counter): for the c10d
+ * dispatcher hook, which writes into the same ring from C++ threads and allocates sequence numbers
+ * from the same counter (atomically, as begin() does). Valid while this object lives. */
+static PyObject *FastRing_shared_state(FastRing *self, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("(KKK)", (unsigned long long)(uintptr_t)self->view.buf, (unsigned long long)self->capacity,
+                         (unsigned long long)(uintptr_t)&self->next_seq);
+}
+
 static PyMethodDef FastRing_methods[] = {
+    {"shared_state", (PyCFunction)FastRing_shared_state, METH_NOARGS, "(address, capacity, counter address)."},
     {"begin", (PyCFunction)(void (*)(void))FastRing_begin, METH_FASTCALL, "Commit an 'entered' record."},
     {"complete_now", (PyCFunction)FastRing_complete_now, METH_O, "Complete a record just begun."},
     {"complete", (PyCFunction)(void (*)(void))FastRing_complete, METH_FASTCALL, "Complete or fail a record."},

@@ -46,6 +46,15 @@ static inline uint32_t mt_tail_check(int64_t t_complete, uint32_t state, uint64_
     return (uint32_t)(x % MT_TAIL_PRIME);
 }
 
+/* Raise the header's write counter to `seq`. Several threads may commit records at once (the
+ * dispatcher hook runs on backend and autograd threads): the counter only ever moves forward. */
+static inline void mt_counter_raise(uint64_t *counter, uint64_t seq)
+{
+    uint64_t cur = __atomic_load_n(counter, __ATOMIC_RELAXED);
+    while (cur < seq && !__atomic_compare_exchange_n(counter, &cur, seq, 1, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
+        ;
+}
+
 /* Write the record for `seq` into its slot; returns the slot's byte offset. */
 static inline uint64_t mt_record_begin(unsigned char *base, uint64_t capacity, uint64_t seq,
                                        uint64_t group_seq, uint64_t nbytes, uint32_t group_id,
@@ -72,7 +81,7 @@ static inline uint64_t mt_record_begin(unsigned char *base, uint64_t capacity, u
     tail = mt_tail_check(0, MT_STATE_ENQUEUED, seq);
     memcpy(rec + 60, &tail, 4);
     memcpy(base + off, rec, MT_RECORD_SIZE);
-    __atomic_store_n((uint64_t *)(base + MT_WRITE_COUNTER_OFFSET), seq, __ATOMIC_RELEASE);
+    mt_counter_raise((uint64_t *)(base + MT_WRITE_COUNTER_OFFSET), seq);
     return off;
 }
 
