@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatrace.config import Layout
+
+if TYPE_CHECKING:
+    from megatrace.analyze.liveness import ProcessProbe
 
 MAX_LISTED = 12  # ranks or files named in one problem message before "and N more"
 
@@ -54,6 +58,7 @@ class RankInfo:
     ended_early: bool = False  # its records stop before its part of the job did (an imported log that lost its
     #                            later dumps): calls of others after its last record are unobserved on it, and its
     #                            silence after it is no stop
+    heartbeat_ns: int = 0  # the tracer's last heartbeat (CLOCK_MONOTONIC of its host); 0: none (liveness.py)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class NodeFacts:
     procs: dict[int, ProcFact] = field(default_factory=dict)
     outcome: str | None = None  # the launcher's own summary, e.g. "stalled"
     message: str | None = None
+    probe: ProcessProbe | None = None  # this host's process table, for rings still open (analyze/liveness.py)
 
 
 @dataclass

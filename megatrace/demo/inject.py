@@ -1,9 +1,12 @@
 """Fault injection inside one demo worker (the specs are in :mod:`megatrace.demo.faults`).
 
 ``hang``, ``crash`` and ``slow`` act at the Python level, between the demo's own
-calls. ``commhang`` and ``slowlink`` act *below* the ``torch.distributed`` API:
-they patch methods of the C++ ``ProcessGroup`` class, so a tracer hooking
-``dist.all_reduce`` or ``dist.isend`` sees the call entered on time.
+calls. ``commhang`` and ``slowlink`` act *inside* the communication call: a kernel of
+their own sits in front of the c10d operators' CPU kernels (``torch.library``, keeping
+the original), registered before the process group exists. The tracer's dispatcher
+hook, installed when the process group is created, then sits in front of it, so the
+call is recorded as entered on time and hangs, or is late, inside the backend, as a
+stuck network would make it.
 """
 
 from __future__ import annotations
@@ -11,16 +14,18 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
+from functools import partial
 from typing import Any, Callable
 
 from megatrace.config import Layout
 from megatrace.demo.faults import (CommHangFault, CrashFault, FaultSpec, HangFault, PHASES, SlowFault,
                                    SlowLinkFault, format_fault)
 
-# ProcessGroup methods behind the collectives the demo issues (names differ across torch versions).
-COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "reduce_scatter_single", "_reduce_scatter_base",
-                      "reduce_scatter_tensor_coalesced", "all_gather_single", "_allgather_base",
-                      "allgather_into_tensor_coalesced")
+# c10d operators behind the collectives the demo issues, and the one behind a send.
+COLLECTIVE_OPS = ("allreduce_", "allreduce_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+                  "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "reduce_scatter_")
+SEND_OP = "send"
 
 
 def _say(message: str) -> None:
@@ -45,16 +50,18 @@ class FaultInjector:
         self.phase = ""
         self._hang_armed: HangFault | None = None
         self._commhang_from: int | None = None
+        self._library: Any = None
 
     # -- notifications from the training loop ---------------------------------------------------
     def install(self) -> None:
-        """Patch the ProcessGroup class for commhang / slowlink faults (call after init_process_group)."""
+        """Put the commhang / slowlink kernels in place; call *before* init_process_group (see the module doc)."""
         for fault in self.faults:
             if isinstance(fault, CommHangFault):
                 self._commhang_from = fault.step
-                self._patch_collectives()
+                for op in COLLECTIVE_OPS:
+                    self._wrap_kernel(op, self._commhang_kernel)
             elif isinstance(fault, SlowLinkFault):
-                self._patch_send(fault)
+                self._wrap_kernel(SEND_OP, partial(self._slowlink_kernel, fault))
 
     def start_step(self, step: int) -> None:
         self.step, self.phase = step, ""
@@ -90,35 +97,44 @@ class FaultInjector:
                 factor *= fault.factor
         return factor
 
-    # -- below-the-API patches --------------------------------------------------------------------
-    def _patch_collectives(self) -> None:
-        from torch._C._distributed_c10d import ProcessGroup
+    # -- inside the communication call ------------------------------------------------------------
+    def _wrap_kernel(self, op: str, inject: Callable[..., None]) -> None:
+        """Run ``inject(op, args)`` in front of the CPU kernel of ``c10d::<op>``, then the kernel itself."""
+        import torch
 
-        for name in COLLECTIVE_METHODS:
-            if hasattr(ProcessGroup, name):
-                setattr(ProcessGroup, name, self._commhang_wrapper(name, getattr(ProcessGroup, name)))
+        if self._library is None:
+            self._library = torch.library.Library("c10d", "IMPL")
+        try:
+            original = torch.library.get_kernel(f"c10d::{op}", "CPU")
+        except RuntimeError:  # not an operator of this torch
+            return
 
-    def _commhang_wrapper(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def patched(pg: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._commhang_from is not None and self.step >= self._commhang_from:
-                _say(f"injected commhang on rank {self.rank} at step {self.step}: ProcessGroup.{name} "
-                     f"on group {getattr(pg, 'group_desc', '?')} never returns")
-                block_forever()
-            return orig(pg, *args, **kwargs)
+        def kernel(keyset: Any, *args: Any) -> Any:
+            inject(op, args)
+            return original.call_boxed(keyset, *args)
 
-        return patched
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
+            self._library.impl(op, kernel, "CPU", with_keyset=True)
 
-    def _patch_send(self, fault: SlowLinkFault) -> None:
-        from torch._C._distributed_c10d import ProcessGroup
+    def _commhang_kernel(self, op: str, args: tuple) -> None:
+        if self._commhang_from is not None and self.step >= self._commhang_from:
+            _say(f"injected commhang on rank {self.rank} at step {self.step}: c10d::{op} on group "
+                 f"{_group_desc(args)} never returns")
+            block_forever()
 
+    def _slowlink_kernel(self, fault: SlowLinkFault, op: str, args: tuple) -> None:
         other = fault.ranks[1] if fault.ranks[0] == self.rank else fault.ranks[0]
-        pp_ranks = self.layout.group_of("pp", self.rank)
-        delay_s = fault.delay_ms / 1000.0
-        orig = ProcessGroup.send
+        dst = int(args[2])  # c10d::send(Tensor[] tensors, ProcessGroup process_group, int dst, int tag)
+        if _group_desc(args) == "pp" and self.layout.group_of("pp", self.rank)[dst] == other:
+            time.sleep(fault.delay_ms / 1000.0)
 
-        def send(pg: Any, tensors: Any, dst: int, *args: Any, **kwargs: Any) -> Any:
-            if getattr(pg, "group_desc", "") == "pp" and pp_ranks[dst] == other:
-                time.sleep(delay_s)
-            return orig(pg, tensors, dst, *args, **kwargs)
 
-        ProcessGroup.send = send
+def _group_desc(args: tuple) -> str:
+    """The description of the process group a c10d operator was called on (its second argument)."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    try:
+        return str(ProcessGroup.unbox(args[1]).group_desc)
+    except Exception:  # noqa: BLE001
+        return "?"

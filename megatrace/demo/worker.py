@@ -150,12 +150,12 @@ def train(args: argparse.Namespace, env: DistEnv, layout: Layout, faults: list[F
     os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
                       RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank))
     timeout = timedelta(seconds=args.comm_timeout)
+    injector = FaultInjector(faults, env.rank, layout)
+    injector.install()  # before the process group, so the tracer's hook goes in front of it
     dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=timeout)
     if os.environ.get(FR_DUMP_ENV):
         start_fr_dumps(Path(os.environ[FR_DUMP_ENV]), env.rank)
     groups = create_groups(layout, env.rank, timeout)
-    injector = FaultInjector(faults, env.rank, layout)
-    injector.install()
     comm = Comm(layout, groups, injector.before_comm)
     coords = layout.coords(env.rank)
     model = build_stage(coords.pp, args.layers_per_stage, coords.tp, layout.tp, comm)
