@@ -138,6 +138,7 @@ def test_a_stopped_rank_is_named_while_it_hangs(program: Path, tmp_path: Path, j
         os.kill(pid, signal.SIGCONT)
     assert top.kind == Kind.COMPUTE_HANG and top.subject.rank == 2, top.verdict
     assert top.severity == Severity.CRITICAL and "stopped running" in top.verdict
+    assert "GPU" not in top.verdict and top.subject.local_rank is None  # a gloo job on CPUs: no GPU to name
     assert any("state T" in str(e) for e in top.evidence), top.evidence
     partial = [f for f in result.findings if f.kind == Kind.PARTIAL_STOP]
     assert not partial or 2 not in partial[0].subject.ranks

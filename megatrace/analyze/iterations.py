@@ -106,7 +106,7 @@ def group_roles(trace: TraceSet, ix: RecordIndex, layout: Layout | None) -> np.n
             continue
         if g.desc in by_desc:
             out[k] = by_desc[g.desc]
-        elif g.desc in ("", "default_pg") and layout is not None and max(g.ranks) < layout.world_size:
+        elif (not g.named or g.desc == "default_pg") and layout is not None and max(g.ranks) < layout.world_size:
             for kind in ("tp", "pp", "dp"):
                 if list(g.ranks) == layout.group_of(kind, g.ranks[0]):
                     out[k] = by_desc[kind]

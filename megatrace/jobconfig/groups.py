@@ -184,11 +184,6 @@ def infer_from_groups(groups: list[GroupUse], world: int) -> Inference:
         inf.dims.append(dim)
         prod = stride * size
     if not inf.dims:
-        if _data_parallel_world(groups, world):
-            inf.dims.append(Dim("dp", world, 1, seen=True, how="only the world group carries collectives and "
-                                                              "nothing is point-to-point: every rank does the same "
-                                                              "work (data parallel)"))
-            return inf
         inf.notes.append("no recorded group is one dimension of a rank order: sizes unknown from groups")
         return inf
     if prod < world and world % prod == 0:
@@ -197,8 +192,9 @@ def infer_from_groups(groups: list[GroupUse], world: int) -> Inference:
     return inf
 
 
-def _data_parallel_world(groups: list[GroupUse], world: int) -> bool:
-    """Every collective runs on the whole world and no rank sends to another (DDP, FSDP on one group)."""
+def data_parallel_world(groups: list[GroupUse], world: int) -> bool:
+    """Every collective runs on the whole world and no rank sends to another (DDP, FSDP on one group): with no
+    source of sizes, every rank does the same work, which is data parallelism as far as analysis goes."""
     used = [g for g in groups if g.collectives or g.p2p]
     return (world > 1 and bool(used) and not any(g.p2p for g in used)
             and all(len(set(g.ranks)) == world for g in used))
