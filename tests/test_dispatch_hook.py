@@ -87,3 +87,12 @@ def test_every_operator_spec_matches_this_torch_and_a_renamed_argument_is_skippe
     assert dispatch_hook.spec_rows(torch, renamed) == ([], ["broadcast_"])
     unknown = {"no_such_op_": dispatch_hook.HookSpec(Op.ALL_REDUCE, "tensors")}
     assert dispatch_hook.spec_rows(torch, unknown) == ([], ["no_such_op_"])
+
+
+def test_a_call_that_raises_is_made_once_and_recorded_once_as_failed(tmp_path: Path) -> None:
+    """The Python wrapper steps aside for the hook; a collective that raises must not be called again."""
+    errs = finish(launch("peer_gone", tmp_path, world=2, MEGATRACE_RING_RECORDS="64"))
+    assert (tmp_path / "raised.txt").read_text() == "3"
+    assert "tracer error" not in errs[0], errs[0][-2000:]
+    after_barrier = [r for r in records(tmp_path, 0) if r["op"] == Op.ALL_REDUCE]
+    assert len(after_barrier) == 3 and all(r["state"] == State.FAILED for r in after_barrier)

@@ -181,7 +181,24 @@ def cpp_callers() -> None:
     dist.destroy_process_group()
 
 
+def peer_gone() -> None:
+    """Rank 1 leaves right after start-up; each of rank 0's three all-reduces then raises."""
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if RANK == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    raised = 0
+    for _ in range(3):
+        try:
+            dist.all_reduce(torch.ones(4))
+        except RuntimeError:
+            raised += 1
+    (OUT / "raised.txt").write_text(str(raised))
+    os._exit(0)
+
+
 if __name__ == "__main__":
     {"every_op": every_op, "wedged_peer": wedged_peer, "many_ops": many_ops,
      "groups_and_markers": groups_and_markers, "async_poll": async_poll,
-     "cpp_callers": cpp_callers}[sys.argv[1]]()
+     "cpp_callers": cpp_callers, "peer_gone": peer_gone}[sys.argv[1]]()

@@ -370,7 +370,8 @@ def _make_wrapper(name: str, orig: Any, spec: OpSpec, tracer: Tracer, dtypes: di
                 else:
                     nbytes, dtype, device = _describe_many(data, dtypes)
                 if not device and tracer.cpu_native and (data is not None or gt.host_only):
-                    return orig(*args, **kwargs)  # the dispatcher hook records this CPU call
+                    gt = None  # the dispatcher hook records this CPU call (the call itself runs below, once)
+            if gt is not None:
                 is_async = always_async or bool(args[ai] if ai < n else kwargs.get("async_op"))
                 flags = base_flags | device
                 if is_async:
