@@ -206,9 +206,10 @@ def _watch(opts: DemoOptions, procs: dict[int, subprocess.Popen], logs: Path, ki
         beating, done, latest = _last_progress(logs, world)
         if armed_at is None and len(beating | {r for r, c in codes.items() if c is not None}) == world:
             armed_at = now  # every rank is past startup: from now on, silence means a hang
-        if {r for r, c in codes.items() if c is None} <= done:
-            # Every rank still running has finished training and is tearing down: on a loaded
-            # machine torch's exit can outlast the stall timeout; only the deadline applies.
+        if {r for r, c in codes.items() if c is None} <= done or first_failure is not None:
+            # Every rank still running has finished training and is tearing down (on a loaded
+            # machine torch's exit can outlast the stall timeout), or a rank has failed and the
+            # others have their grace period to fail too: the run is not a stall.
             time.sleep(POLL_S)
             continue
         if armed_at is not None and now - max(armed_at, latest - wall_offset) > opts.stall_s:
