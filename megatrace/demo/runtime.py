@@ -102,6 +102,8 @@ class Session:
     markers: Markers
     comm_timeout_s: float
     injector: FaultInjector = field(init=False)
+    name: str = field(init=False)  # rank-NNNNN, the stem of this rank's log, heartbeat and metrics files
+    heartbeat: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.injector = FaultInjector(self.faults, self.env.rank, self.layout)

@@ -64,13 +64,12 @@ def train(session: Session, args: argparse.Namespace) -> int:
     parallelize_module(model, tp_mesh, plan)
     params = list(model.parameters())
     optimizer = MomentumSGD(params, lr=LR)
-    session.ready()
-
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+    sync = None if dp_group is None else lambda: average_gradients(params, dp_group, layout.dp)
+    session.ready()
 
     def step(n: int) -> StepResult:
         x, target = batch(n, dp_rank, 0)  # the same microbatch on every TP rank of a replica
-        sync = None if dp_group is None else lambda: average_gradients(params, dp_group, layout.dp)
         loss = train_step(session, model, clock, optimizer, x, target, before_update=sync)
         if dp_group is not None:
             dist.all_reduce(loss, group=dp_group)
