@@ -3,10 +3,18 @@
     python bench/tracer_overhead.py [--calls 2000] [--rounds 15] [--demo-steps 20] [--skip-demo]
 
 Prints three tables:
-1. the tracer's own cost per call: the traced wrapper around a no-op with
-   all_reduce's signature vs the no-op itself (precise; no communication noise);
-2. small gloo all-reduces between two real processes, traced vs the original
-   torch function, interleaved in blocks so machine noise hits both alike;
+1. the tracer's own cost per call, on each path a call takes (precise; no communication noise):
+   - a CPU call issued from C++ (DDP's gradient buckets, functional collectives: the ``ddp`` and
+     ``tp`` engines): the c10d dispatcher hook alone, on torch's own fake backend (it returns at
+     once), ``ProcessGroup.allreduce`` with the hook installed vs without;
+   - a CPU call of the ``torch.distributed`` functions (FSDP, pipelining, the ``3d`` demo, scripts):
+     the Python wrapper stepping aside plus the hook, ``dist.all_reduce`` on the fake backend vs the
+     original function without the hook;
+   - a device (NCCL) call, which keeps the Python wrapper: the wrapper around a no-op with
+     all_reduce's signature vs the no-op itself;
+2. small gloo all-reduces between two real processes, traced (hook and wrapper) vs the original
+   torch function without the hook, in blocks in ABBA order so machine noise and the block's
+   place in a round hit both alike;
 3. the demo job's median step wall time and CPU time, traced vs untraced (runs in
    ABBA order), and how much the untraced runs alone differ (the noise floor).
 Targets (issue "Foundation"): at most 2 µs added per call, at most 1 % on the
@@ -68,15 +76,67 @@ def isolated_cost(calls: int, rounds: int) -> tuple[float, float, bool]:
     return statistics.median(base), statistics.median(wrapped), native
 
 
+def _hook_paths_worker(calls: int, rounds: int, out: str) -> None:
+    """In a process of its own (the hook is process-wide): the two CPU paths on torch's fake backend."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatrace.trace import dispatch_hook, torch_hook
+
+    torch.set_num_threads(1)
+    torch_hook.install()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    tracer = torch_hook.TRACER
+    if not tracer.cpu_native:
+        Path(out).write_text(json.dumps({"error": "the c10d hook is not attached (see the tracer's warning)"}))
+        return
+    rows, _ = dispatch_hook.spec_rows(torch)
+    pg, t, tl = dist.group.WORLD, torch.ones(16), [torch.ones(16)]
+    api, original = dist.all_reduce, dist.all_reduce.__wrapped__
+    results: dict[str, list[float]] = {k: [] for k in ("cpp_base", "cpp_hook", "api_base", "api_hook")}
+    installed = True
+    for i in range(rounds):
+        for hooked in ((False, True) if i % 2 == 0 else (True, False)):
+            if hooked != installed:
+                tracer.hook.install(rows) if hooked else tracer.hook.uninstall()
+                installed = hooked
+            for name, fn, arg in (("cpp", pg.allreduce, tl), ("api", api if hooked else original, t)):
+                start = time.perf_counter_ns()
+                for _ in range(calls):
+                    fn(arg)
+                results[f"{name}_{'hook' if hooked else 'base'}"].append((time.perf_counter_ns() - start) / calls)
+    Path(out).write_text(json.dumps(results))
+
+
+def hook_paths_cost(calls: int, rounds: int) -> dict[str, float] | str:
+    """Median ns per call of both CPU paths, untraced and traced; or why it could not be measured."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = dict(os.environ, MEGATRACE_ENABLE="0", MEGATRACE_DIR=os.path.join(tmp, "rings"), OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, __file__, "--hook-worker", "--calls", str(calls), "--rounds",
+                               str(rounds), "--out", out], env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode:
+            return f"the fake-backend worker failed: {proc.stderr.strip()[-500:]}"
+        res = json.loads(Path(out).read_text())
+    if "error" in res:
+        return res["error"]
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
 def _allreduce_worker(rank: int, calls: int, rounds: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     from megatrace.trace import torch_hook
 
+    from megatrace.trace import dispatch_hook
+
     torch.set_num_threads(1)
     torch_hook.install()
     dist.init_process_group("gloo")
+    hook = torch_hook.TRACER.hook if torch_hook.TRACER.cpu_native else None
+    rows, _ = dispatch_hook.spec_rows(torch)
     traced = dist.all_reduce
     original = traced.__wrapped__
     t = torch.ones(16)
@@ -84,8 +144,13 @@ def _allreduce_worker(rank: int, calls: int, rounds: int, out: str) -> None:
         traced(t)
         original(t)
     results: dict[str, list[float]] = {"untraced": [], "traced": []}
-    for _ in range(rounds):
-        for name, fn in (("untraced", original), ("traced", traced)):
+    installed = True
+    for i in range(rounds):  # ABBA: neither kind always runs first in a round
+        for name in (("untraced", "traced") if i % 2 == 0 else ("traced", "untraced")):
+            if hook is not None and (name == "traced") != installed:
+                hook.install(rows) if name == "traced" else hook.uninstall()
+                installed = name == "traced"
+            fn = traced if name == "traced" else original
             original(t)  # line both ranks up before timing
             start = time.perf_counter_ns()
             for _ in range(calls):
@@ -183,23 +248,40 @@ def main() -> None:
     parser.add_argument("--demo-repeats", type=int, default=4)
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hook-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         _allreduce_worker(args.worker, args.calls, args.rounds, args.out)
         return
+    if args.hook_worker:
+        _hook_paths_worker(args.calls, args.rounds, args.out)
+        return
 
     print("MegaTrace tracer overhead (medians; baseline measured in this run)\n")
     base, traced, native = isolated_cost(args.calls * 10, args.rounds)
-    added = per_call_us = (traced - base) / 1000
+    device_us = (traced - base) / 1000
     print(f"ring writer: {'C hot path' if native else 'pure Python (C hot path not built)'}")
-    print(f"{'measurement':44} {'untraced':>12} {'traced':>12} {'added':>10} {'ratio':>7}  target")
-    print(f"{'tracer cost per sync call (no-op op)':44} {base / 1000:10.2f}µs {traced / 1000:10.2f}µs "
-          f"{added:8.2f}µs {traced / base:7.2f}  ≤{TARGET_US_PER_CALL} µs added "
-          f"{'OK' if added <= TARGET_US_PER_CALL else 'MISSED'}")
+    print(f"{'measurement':52} {'untraced':>12} {'traced':>12} {'added':>10} {'ratio':>7}  target")
+
+    def line(label: str, b: float, t: float) -> float:
+        added = (t - b) / 1000
+        print(f"{label:52} {b / 1000:10.2f}µs {t / 1000:10.2f}µs {added:8.2f}µs {t / b:7.2f}  "
+              f"≤{TARGET_US_PER_CALL} µs added {'OK' if added <= TARGET_US_PER_CALL else 'MISSED'}")
+        return added
+
+    paths = hook_paths_cost(args.calls * 5, args.rounds)
+    per_call_us = device_us
+    if isinstance(paths, str):
+        print(f"{'CPU calls (c10d hook)':52} not measured: {paths}")
+    else:
+        line("CPU call from C++ (engines ddp, tp): hook", paths["cpp_base"], paths["cpp_hook"])
+        per_call_us = line("CPU torch.distributed call (fsdp, pipeline, 3d): both", paths["api_base"],
+                           paths["api_hook"])
+    line("device (NCCL) call: Python wrapper, no-op op", base, traced)
     base, traced = allreduce_cost(args.calls, args.rounds)
     added = (traced - base) / 1000
-    print(f"{'gloo all_reduce, 16 floats, 2 ranks':44} {base / 1000:10.2f}µs {traced / 1000:10.2f}µs "
+    print(f"{'gloo all_reduce, 16 floats, 2 ranks (ABBA blocks)':52} {base / 1000:10.2f}µs {traced / 1000:10.2f}µs "
           f"{added:8.2f}µs {traced / base:7.3f}  ≤{TARGET_US_PER_CALL} µs added "
           f"{'OK' if added <= TARGET_US_PER_CALL else 'MISSED (see noise note)'}")
     if not args.skip_demo:
@@ -208,10 +290,10 @@ def main() -> None:
         for label, b, t in (("demo step wall time, 8 ranks TP2·PP2·DP2", base.wall_s, traced.wall_s),
                             ("demo step CPU time per rank (all threads)", base.cpu_s, traced.cpu_s)):
             ratio = t / b
-            print(f"{label:44} {b * 1e3:10.2f}ms {t * 1e3:10.2f}ms {(t - b) * 1e3:8.2f}ms {ratio:7.3f}  "
+            print(f"{label:52} {b * 1e3:10.2f}ms {t * 1e3:10.2f}ms {(t - b) * 1e3:8.2f}ms {ratio:7.3f}  "
                   f"≤{TARGET_STEP_RATIO:.2f}× {'OK' if ratio <= TARGET_STEP_RATIO else 'MISSED (see noise note)'}")
         implied = traced.calls_per_step * per_call_us * 1e-6 / base.wall_s  # the isolated per-call cost
-        print(f"{'the tracer own work per demo step':44} {'':>12} {traced.calls_per_step * per_call_us:10.2f}µs "
+        print(f"{'the tracer own work per demo step':52} {'':>12} {traced.calls_per_step * per_call_us:10.2f}µs "
               f"{'':>10} {1 + implied:7.5f}  ≤{TARGET_STEP_RATIO:.2f}× "
               f"{'OK' if 1 + implied <= TARGET_STEP_RATIO else 'MISSED'}  "
               f"({traced.calls_per_step:.1f} calls per rank and step × {per_call_us:.2f} µs)")

@@ -55,6 +55,7 @@ class TraceBuilder:
     job_id: str = "job-1"
     skew_ms: dict[str, float] = field(default_factory=dict)  # host -> wall clock error
     capacity: int = 1024
+    backend: str = "nccl"  # the process groups' backend: a GPU job by default ("gloo": a CPU-only one)
 
     def __post_init__(self) -> None:
         self.records: dict[int, list[Rec]] = {r: [] for r in range(self.world)}
@@ -168,7 +169,7 @@ class TraceBuilder:
                 for g in self.groups:
                     if rank in g.ranks:
                         w.write_meta("group", gid=g.gid, name=g.name, desc=g.desc, ranks=list(g.ranks),
-                                     backend="gloo")
+                                     backend=self.backend)
             else:
                 w.meta_path.unlink()
             if closed is True or (isinstance(closed, set) and rank in closed):

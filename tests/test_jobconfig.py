@@ -198,3 +198,21 @@ def test_quick_mode_builds_the_job_config_from_the_tails_too(tmp_path: Path) -> 
     assert result.trace.tail is not None
     assert result.results["job"].sizes_label() == "TP2·PP2·DP2"
     assert load_job_yaml(root / "job.yaml")["groups"]["complete"] is True
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["world-only", "with-p2p"])
+def test_a_job_whose_only_group_is_the_world_is_data_parallel_unless_it_sends(tmp_path: Path, pipeline: bool) -> None:
+    """DDP on the default group: no group reveals a dimension, yet every rank does the same work."""
+    b = TraceBuilder(world=4)
+    b.healthy_steps([b.world_group], steps=6)
+    if pipeline:
+        b.p2p(0, 1, b.world_group, at=200.0)
+    b.write(tmp_path)
+    result = analyze(tmp_path)
+    doc = load_job_yaml(tmp_path / "job.yaml")
+    if pipeline:
+        assert "dp" not in doc["parallel"] or doc["parallel"]["dp"].get("value") is None
+    else:
+        assert doc["parallel"]["dp"]["value"] == 4 and doc["parallel"]["tp"]["value"] == 1
+        assert "only the world group" in doc["parallel"]["dp"]["source"]
+        assert result.results["iterations"].method == "dp-sync"

@@ -138,6 +138,50 @@ def async_poll() -> None:
     dist.destroy_process_group()
 
 
+def _flight_recorder_counts() -> dict[str, int]:
+    """torch's own count of this rank's collectives: (group name, op) -> calls, from the Flight Recorder."""
+    import pickle
+    from collections import Counter
+
+    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False))
+    return dict(Counter(f"{e['process_group'][0]} {e['profiling_name'].split(':')[-1]}" for e in dump["entries"]))
+
+
+def cpp_callers() -> None:
+    """Collectives issued from C++ (DDP's reducer, functional collectives) and from Python, counted by torch."""
+    import torch.distributed._functional_collectives as funcol
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+    metric = torch.ones(2)
+    dist.all_reduce(metric)
+    dist.reduce(metric, dst=0)
+    funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD).wait()
+    funcol.all_gather_tensor(torch.ones(4), 0, dist.group.WORLD).wait()
+    pair = dist.new_group([0, 1])
+    if RANK < 2:
+        dist.broadcast(metric, src=0, group=pair)
+    peer_next, peer_prev = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(3), peer_next),
+                                         dist.P2POp(dist.irecv, torch.empty(3), peer_prev)]):
+        work.wait()
+    if RANK == 0:
+        dist.send(torch.ones(5), 1)
+    elif RANK == 1:
+        dist.recv(torch.empty(5), 0)
+    dist.barrier()
+    (OUT / f"fr-{RANK}.json").write_text(json.dumps(_flight_recorder_counts()))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     {"every_op": every_op, "wedged_peer": wedged_peer, "many_ops": many_ops,
-     "groups_and_markers": groups_and_markers, "async_poll": async_poll}[sys.argv[1]]()
+     "groups_and_markers": groups_and_markers, "async_poll": async_poll,
+     "cpp_callers": cpp_callers}[sys.argv[1]]()

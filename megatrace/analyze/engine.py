@@ -74,7 +74,9 @@ def _hang_stage(ctx: AnalysisContext) -> list[Finding]:
     hang = analyze_hangs(ctx.trace, ctx.clock, ctx.match)
     ctx.results["hang"] = hang
     found = explain.hang_findings(ctx.trace, ctx.match, hang)
-    if not hang.roots:
+    if hang.stall is not None:
+        found.append(explain.stall_finding(ctx.trace, hang))
+    elif not hang.roots:
         found.append(explain.healthy_finding(ctx.trace, ctx.match, hang))
     return found
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from megatrace.analyze.clock import ClockAlignment
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject
-from megatrace.analyze.hang import RUNNING_OUTCOMES, STALLED_OUTCOMES, HangAnalysis, RankStatus, RootCause, Wait
+from megatrace.analyze.hang import (RUNNING_OUTCOMES, STALL_MIN_NS, STALLED_OUTCOMES, HangAnalysis, RankStatus,
+                                    RootCause, Wait)
 from megatrace.analyze.match import MatchResult
 from megatrace.analyze.traceset import TraceSet, plural
 from megatrace.analyze.words import collective_label, duration, rank_label, rank_list, rank_subject, record_label
@@ -39,7 +40,13 @@ REMEDIATION = {
     Kind.COLLECTIVE_MISMATCH: "Members of one group called different operations, sizes or dtypes for the same "
                               "collective: a program bug (rank-dependent code path, uneven tensor shapes). "
                               "Compare the code paths of the listed ranks.",
+    Kind.STALL: "Every rank is alive but none has communicated for far longer than usual: dump every rank's "
+                "stacks (py-spy dump --pid PID) to see where they are (a checkpoint, evaluation, data loading, "
+                "a barrier outside torch.distributed); if it lasts, the job is hung outside traced communication.",
 }
+FROZEN_REMEDIATION = ("Its process stopped running: if it was stopped on purpose (kill -STOP, a debugger) resume it "
+                      "(kill -CONT PID); otherwise dump its stacks (py-spy dump --pid PID) for the thread that holds "
+                      "the interpreter, and check the node (dmesg, memory pressure, GPU XID errors).")
 
 
 def _last_op_text(trace: TraceSet, hang: HangAnalysis, rank: int) -> str:
@@ -96,6 +103,11 @@ def _root_sentence(trace: TraceSet, hang: HangAnalysis, root: RootCause) -> str:
     status = hang.status.get(rank)
     if status == RankStatus.MISSING:
         return f"{head}; it has no trace (its ring file is missing), so why is unknown"
+    live = hang.liveness
+    if rank in live.frozen or rank in live.crashed:
+        if w is not None and rank in _members_stuck_in(hang, w):
+            head = f"rank {rank} entered it and then stopped running"
+        return f"{head}; {live.frozen.get(rank) or live.crashed[rank]}; {_last_op_text(trace, hang, rank)}"
     tail = _last_op_text(trace, hang, rank)
     proc = trace.facts.procs.get(rank)
     if proc is not None and proc.crashed:
@@ -104,6 +116,14 @@ def _root_sentence(trace: TraceSet, hang: HangAnalysis, root: RootCause) -> str:
         tail += "; its process then exited (its tracer closed cleanly)"
     phase = _phase_text(trace, rank)
     return f"{head}; {tail}" + (f" ({phase})" if phase else "")
+
+
+def _members_stuck_in(hang: HangAnalysis, w: Wait) -> tuple[int, ...]:
+    """The members of the instance a wait points at that entered it and never completed it."""
+    target = w.target
+    if isinstance(target, tuple) and target[0] == "inst" and target[1] in hang.details:
+        return hang.details[target[1]].stuck
+    return ()
 
 
 def _classify(trace: TraceSet, hang: HangAnalysis, m: MatchResult, root: RootCause) -> Kind:
@@ -117,6 +137,10 @@ def _classify(trace: TraceSet, hang: HangAnalysis, m: MatchResult, root: RootCau
     rank = root.ranks[0]
     status = hang.status.get(rank)
     proc = trace.facts.procs.get(rank)
+    if rank in hang.liveness.crashed:
+        return Kind.CRASHED_PROCESS
+    if rank in hang.liveness.frozen:
+        return Kind.COMPUTE_HANG
     if status == RankStatus.MISSING:
         return Kind.CRASHED_PROCESS if proc is not None and proc.crashed else Kind.NO_TRACE
     if proc is not None and proc.crashed:
@@ -131,14 +155,15 @@ BASE_CONFIDENCE = {Kind.COMPUTE_HANG: 0.9, Kind.CRASHED_PROCESS: 0.95, Kind.EXIT
 
 
 def _verdict(trace: TraceSet, kind: Kind, root: RootCause, n_wait: int, hosts: list[str],
-             mismatches: list) -> str:
+             mismatches: list, hang: HangAnalysis) -> str:
     w = root.first_wait
     waiting = f"{n_wait} rank{'s' if n_wait != 1 else ''} wait{'s' if n_wait == 1 else ''}"
     what = f" in {w.label}" if w else ""
     if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
         what = f" (first rank {w.rank}, in {w.label})" if w else ""
         who = rank_label(trace, root.ranks[0])
-        head = {Kind.COMPUTE_HANG: f"{who} stopped outside communication",
+        frozen = root.ranks[0] in hang.liveness.frozen
+        head = {Kind.COMPUTE_HANG: f"{who} stopped running" if frozen else f"{who} stopped outside communication",
                 Kind.CRASHED_PROCESS: f"{who} crashed",
                 Kind.EXITED_EARLY: f"{who} exited early",
                 Kind.NO_TRACE: f"{who} has no trace"}[kind]
@@ -194,9 +219,11 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
             evidence.append(f"stopped {duration(root.silence_ns)} before the end of the trace; its usual gap "
                             f"between calls is {duration(root.usual_gap_ns)} (p95)")
         confidence = BASE_CONFIDENCE.get(kind, 0.7) * (0.5 + 0.5 * coverage) * (1.0 if root.confirmed else 0.5)
-        verdict = _verdict(trace, kind, root, n_wait, hosts, m.mismatches)
+        verdict = _verdict(trace, kind, root, n_wait, hosts, m.mismatches, hang)
         if not root.confirmed:
-            verdict = "possible hang (short stop, maybe in flight when the trace ended): " + verdict
+            short = root.silence_ns is None or root.silence_ns < STALL_MIN_NS
+            verdict = ("possible hang (short stop, maybe in flight when the trace ended): " if short else
+                       "possible hang (not confirmed: its usual gap between calls is as long): ") + verdict
         if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
             group = trace.groups.get(int(trace.records.group_id[root.first_wait.row])) if root.first_wait else None
             subject = rank_subject(trace, root.ranks[0], group)
@@ -212,9 +239,11 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
             subject = Subject(ranks=root.ranks, hosts=tuple(hosts))
             ident = f"{kind.value}:ranks-{'-'.join(map(str, root.ranks[:8]))}"
         explained.update(root.ranks)
+        frozen = root.kind == "rank" and root.ranks[0] in hang.liveness.frozen
         out.append(Finding(
             id=ident, severity=Severity.CRITICAL if root.confirmed else Severity.WARNING, kind=kind,
-            subject=subject, verdict=verdict, evidence=evidence, remediation=REMEDIATION.get(kind, ""),
+            subject=subject, verdict=verdict, evidence=evidence,
+            remediation=FROZEN_REMEDIATION if frozen else REMEDIATION.get(kind, ""),
             confidence=confidence, impact=len(set(root.waiters) | set(root.ranks)),
             data={"chain": root.chain + [_root_sentence(trace, hang, root)], "waiters": list(root.waiters),
                   "stop_ns": root.stop_ns, "silence_ns": root.silence_ns, "usual_gap_ns": root.usual_gap_ns,
@@ -228,6 +257,14 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
             evidence=[f"still progressing: ranks {rank_list(hang.progressing)}"],
             remediation="Those ranks will block as soon as they need a stuck rank; the root cause above applies.",
             confidence=0.8, impact=len(hang.progressing)))
+    for rank, why in sorted(hang.liveness.crashed.items()):
+        if rank not in explained:
+            explained.add(rank)
+            out.append(Finding(
+                id=f"crashed-process:rank-{rank}", severity=Severity.CRITICAL, kind=Kind.CRASHED_PROCESS,
+                subject=rank_subject(trace, rank), verdict=f"{rank_label(trace, rank)} crashed: {why}",
+                evidence=[_last_op_text(trace, hang, rank)], remediation=REMEDIATION[Kind.CRASHED_PROCESS],
+                confidence=0.9, impact=1))
     for rank, proc in sorted(trace.facts.procs.items()):
         if proc.crashed and rank not in explained and hang.status.get(rank) != RankStatus.BLOCKED:
             out.append(Finding(
@@ -328,9 +365,33 @@ def trace_findings(trace: TraceSet, clock: ClockAlignment) -> list[Finding]:
     return out
 
 
+def stall_finding(trace: TraceSet, hang: HangAnalysis) -> Finding:
+    """Every rank alive and silent far longer than usual, and no rank to blame: the job is stalled."""
+    st = hang.stall
+    assert st is not None
+    quiet = min(st.silence_ns.values())
+    n = len(st.silence_ns)
+    where = (f"{plural(len(st.blocked), 'rank')} wait inside communication ({rank_list(list(st.blocked))}), the "
+             f"others outside it" if st.blocked else "none of them is inside a traced collective")
+    return Finding(
+        id="stall", severity=Severity.WARNING, kind=Kind.STALL, subject=Subject(ranks=tuple(sorted(st.silence_ns))),
+        verdict=f"the job is stalled: all {plural(n, 'rank')} silent for at least {duration(quiet)} (their usual gap "
+                f"between calls is {duration(st.usual_gap_ns)}) while their processes are alive; {where}",
+        evidence=[f"rank {r}: last call {duration(t)} before the trace was read" for r, t in
+                  sorted(st.silence_ns.items())[:MAX_EVIDENCE]],
+        remediation=REMEDIATION[Kind.STALL], confidence=0.7 * trace.coverage, impact=n,
+        data={"silence_ns": {str(r): t for r, t in st.silence_ns.items()}, "usual_gap_ns": st.usual_gap_ns})
+
+
 def healthy_finding(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> Finding:
     """The finding when no rank waits on anything: a clean run, or a stop outside traced communication."""
     s = m.summary()
+    if hang.liveness.ended_together:
+        return Finding(id="healthy", severity=Severity.INFO, kind=Kind.HEALTHY, subject=Subject(),
+                       verdict=f"no hang: every process ended at the same moment without closing its tracer (the "
+                               f"job was ended as a whole: a time limit, a cancel) and no rank had stopped before "
+                               f"({s['collective_instances']} collectives, {s['p2p_pairs']} point-to-point pairs)",
+                       confidence=0.8 * trace.coverage, impact=len(trace.ranks))
     if hang.finished:
         evidence = []
         if hang.leftover_pending:

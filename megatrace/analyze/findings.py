@@ -57,6 +57,7 @@ class Kind(str, enum.Enum):
     DEADLOCK = "deadlock"  # ranks wait on each other in a cycle (a program-order bug)
     NO_TRACE = "no-trace"  # others wait for a rank whose ring is missing: cause unknown
     POSSIBLE_HANG = "possible-hang"  # ranks blocked at the end, but not for long: maybe in flight
+    STALL = "stall"  # every rank alive but silent far longer than usual, and no rank to blame
     PARTIAL_STOP = "partial-stop"  # some ranks were still progressing while others were stuck
     HEALTHY = "healthy"  # nothing stopped: the summary of a clean run
     TRACE_PROBLEM = "trace-problem"  # the input was incomplete or inconsistent

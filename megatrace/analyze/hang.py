@@ -15,6 +15,13 @@ The sink components of that graph, reached from blocked ranks, are the root
 causes: stopped ranks (compute hang, crash, early exit, no trace), stuck
 instances or links (communication hang, collective mismatch) and cycles
 (deadlock). :mod:`megatrace.analyze.explain` turns them into findings.
+
+Liveness (:mod:`megatrace.analyze.liveness`: heartbeats, this host's process table) decides
+three things the records alone cannot: when the trace ends (the last moment the job was seen,
+not its last record, so a rank stopped for 30 s is a 30 s stop), which ranks stopped running
+(a stopped or wedged process waits for nothing: the collectives it entered wait for it), and
+whether a job whose processes all went at once was ended as a whole (a time limit: no culprit).
+A job that is alive but silent everywhere, far longer than usual, is a *stall*.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import networkx as nx
 import numpy as np
 
 from megatrace.analyze.clock import ClockAlignment
+from megatrace.analyze.liveness import Liveness, assess
 from megatrace.analyze.match import InstanceDetail, MatchResult, instance_details
 from megatrace.analyze.traceset import TraceSet
 from megatrace.analyze.words import record_label
@@ -40,6 +48,7 @@ STALLED_OUTCOMES = ("stalled",)  # launcher / agent verdicts (procs.json "outcom
 # moment apart, so a rank read first seems to stop while the others go on. Only a long stop is a hang then.
 RUNNING_OUTCOMES = ("running",)
 RUNNING_MIN_STALL_NS = 30_000_000_000
+STALL_MIN_NS = 5_000_000_000  # a live job silent everywhere for this long (and STALL_FACTOR x its usual gap) stalls
 GAP_WINDOW = 1000  # recent records of a rank used for its usual gap between calls
 TAIL = 64  # last records per rank read for what it waits in (and its last activity): a rank waits in one place;
 #            a longer run of calls that never completed adds its oldest call in front (see _tails)
@@ -101,6 +110,8 @@ class HangAnalysis:
     progressing: list[int] = field(default_factory=list)  # still active while others were stuck
     leftover_pending: int = 0  # ops never completed in a cleanly finished job (tracer artefacts)
     t_enqueue: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # aligned, per record
+    liveness: Liveness = field(default_factory=Liveness)
+    stall: Stall | None = None  # alive but silent everywhere, with no rank to blame
 
     @property
     def blocked(self) -> list[int]:
@@ -112,6 +123,15 @@ class HangAnalysis:
             counts[s.value] = counts.get(s.value, 0) + 1
         return {"end_ns": self.end_ns, "finished": self.finished, "ranks": counts,
                 "root_causes": len(self.roots), "progressing": len(self.progressing)}
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Every rank silent for far longer than its usual gap while the job's processes are alive."""
+
+    silence_ns: dict[int, int]  # rank -> time since its last record
+    usual_gap_ns: int  # the largest usual gap (p95) among the ranks
+    blocked: tuple[int, ...]  # ranks waiting inside communication (the rest compute, or sit outside it)
 
 
 @dataclass
@@ -287,6 +307,11 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     if finished:
         return HangAnalysis(end, True, status, last_activity, last_row, {}, graph, [], {},
                             leftover_pending=len(pending))
+    failed_at = tc[rec.state == State.FAILED]
+    live = assess(trace.rank_info, [int(o) for o in clock.rank_offset_ns], clock.host_offset_ns, last_activity,
+                  trace.facts.probe, int(failed_at[failed_at > 0].min()) if (failed_at > 0).any() else None)
+    end = max(end, live.observed_ns or end)
+    culprits = live.culprits()
 
     pending_insts = np.unique(ix.inst[pending][ix.inst[pending] >= 0])
     details = instance_details(trace, ix, pending_insts)
@@ -294,6 +319,8 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     waits: dict[int, list[Wait]] = {}
     for row in pending.tolist():
         rank = int(rec.rank[row])
+        if rank in culprits:  # it stopped running: it waits for nothing, the others wait for it
+            continue
         status[rank] = RankStatus.BLOCKED
         graph.add_node(rank)
         target: Hashable | None = None
@@ -302,11 +329,13 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
             target = ("inst", i)
             for member in details[i].never_entered:
                 graph.add_edge(target, member)
+            for member in culprits.intersection(details[i].stuck):  # entered, then stopped running inside it
+                graph.add_edge(target, member)
         elif p >= 0:
             is_send = rec.op[row] == Op.SEND
             other = int(ix.recv_row[p] if is_send else ix.send_row[p])
             peer = int(rec.peer[row])
-            if other < 0:
+            if other < 0 or peer in culprits:
                 target = peer
             else:
                 target = ("link", rank, peer) if is_send else ("link", peer, rank)
@@ -319,21 +348,39 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
         if isinstance(node, int) and node not in status:
             status[node] = RankStatus.MISSING  # a peer outside the loaded world (bad peer field)
 
-    roots = _roots(trace, m, graph, waits, details, status, last_activity, end, te, tc)
+    roots = _roots(trace, m, graph, waits, details, status, last_activity, end, te, tc, live)
     onset = min((r.stop_ns for r in roots if r.stop_ns is not None), default=end)
-    culprits = {r for root in roots for r in root.ranks}
+    named = {r for root in roots for r in root.ranks} | culprits
     progressing = sorted(r for r, s in status.items()
-                         if s == RankStatus.STOPPED and r not in culprits and roots
+                         if s == RankStatus.STOPPED and r not in named and roots
+                         and live.seen_ns.get(r, last_activity.get(r, NONE)) > onset + (end - onset) // 2
                          and last_activity.get(r, NONE) > onset + (end - onset) // 2)
-    _confirm(trace, roots, waits, quiet=not progressing)
-    if trace.facts.outcome in RUNNING_OUTCOMES:  # what was in flight at the snapshot is no hang
+    _confirm(trace, roots, waits, quiet=not progressing, live=live)
+    if trace.facts.outcome in RUNNING_OUTCOMES or live.ended_together:  # what was in flight at the end is no hang
         roots = [root for root in roots if root.confirmed]
         progressing = progressing if roots else []
+    stall = None if roots else _stall(trace, status, last_activity, end, te, tc, live)
     return HangAnalysis(end, False, status, last_activity, last_row, waits, graph, roots, details, progressing,
-                        t_enqueue=te)
+                        t_enqueue=te, liveness=live, stall=stall)
 
 
-def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait]], quiet: bool) -> None:
+def _stall(trace: TraceSet, status: dict[int, RankStatus], last_activity: dict[int, int], end: int,
+           te: np.ndarray, tc: np.ndarray, live: Liveness) -> Stall | None:
+    """A live job whose every rank has been silent far longer than usual, with no rank to blame."""
+    if not live.alive or not last_activity:
+        return None
+    silence = {r: end - t for r, t in last_activity.items() if status.get(r) != RankStatus.FINISHED}
+    if not silence:
+        return None
+    gap = max(_usual_gap(trace, te, tc, r) for r in silence)
+    if min(silence.values()) < max(STALL_MIN_NS, STALL_FACTOR * gap):
+        return None
+    blocked = tuple(sorted(r for r in silence if status.get(r) == RankStatus.BLOCKED))
+    return Stall(silence, gap, blocked)
+
+
+def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait]], quiet: bool,
+             live: Liveness) -> None:
     """Decide whether each root's stop is a hang rather than an operation in flight when the trace ended.
 
     Corroboration: a waiter's call failed (a timeout), the culprit crashed or exited, or the launcher /
@@ -349,7 +396,8 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
         failed = any(w.failed for r in root.waiters + root.ranks for w in waits.get(r, ()))
         proc = [trace.facts.procs.get(r) for r in root.ranks]
         crashed = any(p is not None and p.crashed for p in proc)
-        if failed or crashed or stalled:
+        stopped_running = any(r in live.culprits() for r in root.ranks)  # the process itself says so
+        if failed or crashed or stalled or stopped_running:
             root.confirmed = True
         elif root.silence_ns is not None:
             factor = QUIET_FACTOR if quiet else STALL_FACTOR
@@ -359,7 +407,7 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
 
 def _roots(trace: TraceSet, m: MatchResult, graph: nx.DiGraph, waits: dict[int, list[Wait]],
            details: dict[int, InstanceDetail], status: dict[int, RankStatus], last_activity: dict[int, int],
-           end: int, te: np.ndarray, tc: np.ndarray) -> list[RootCause]:
+           end: int, te: np.ndarray, tc: np.ndarray, live: Liveness) -> list[RootCause]:
     if not graph.number_of_nodes():
         return []
     cond = nx.condensation(graph)
@@ -383,7 +431,7 @@ def _roots(trace: TraceSet, m: MatchResult, graph: nx.DiGraph, waits: dict[int, 
         else:
             (node,) = nodes
             root = _single_root(trace, m, node, waiters, first_wait, details, status, last_activity, end,
-                                te, tc, waits)
+                                te, tc, waits, live)
         root.chain, root.chain_wait = _chain(graph, nodes)
         roots.append(root)
     return roots
@@ -404,9 +452,11 @@ def _direct_waits(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> list[W
 def _single_root(trace: TraceSet, m: MatchResult, node: Hashable, waiters: tuple[int, ...],
                  first_wait: Wait | None, details: dict[int, InstanceDetail], status: dict[int, RankStatus],
                  last_activity: dict[int, int], end: int, te: np.ndarray, tc: np.ndarray,
-                 waits: dict[int, list[Wait]]) -> RootCause:
+                 waits: dict[int, list[Wait]], live: Liveness) -> RootCause:
     if isinstance(node, int) and status.get(node) != RankStatus.BLOCKED:
         stop = last_activity.get(node)
+        if node in live.culprits():  # it was seen alive (heartbeat) after its last record
+            stop = live.seen_ns.get(node, stop)
         gap = _usual_gap(trace, te, tc, node) if stop is not None else None
         silence = end - stop if stop is not None else None
         exited = status.get(node) == RankStatus.FINISHED  # its process left while others wait: no doubt

@@ -30,7 +30,9 @@ from megatrace.config import Layout
 from megatrace.schedule import SCHEDULES
 from megatrace.trace.ring_format import Op
 
-DP_PATTERN_MAX = 8  # longest DP pattern per step looked for (all_reduce: 1, reduce_scatter + all_gather: 2)
+DP_PATTERN_MAX = 256  # longest DP pattern per step looked for (a flat buffer: 1 all_reduce, or reduce_scatter +
+#                      all_gather; DDP: one all_reduce per gradient bucket and backward; FSDP: two per layer)
+MIN_REPEATS = 3  # a pattern must repeat this many times in the records looked at to be a step
 PERIOD_MISMATCH = 0.05  # share of a rank's records that may break its repeating pattern (setup, a final barrier)
 MAX_PERIOD_RECORDS = 4000  # records of one rank used to find its period (the pattern repeats every step)
 CHECK_STEPS = 4  # steps of one rank per stage matched against the schedule up front (dp-sync mode)
@@ -104,7 +106,7 @@ def group_roles(trace: TraceSet, ix: RecordIndex, layout: Layout | None) -> np.n
             continue
         if g.desc in by_desc:
             out[k] = by_desc[g.desc]
-        elif not g.desc and layout is not None and max(g.ranks) < layout.world_size:
+        elif (not g.named or g.desc == "default_pg") and layout is not None and max(g.ranks) < layout.world_size:
             for kind in ("tp", "pp", "dp"):
                 if list(g.ranks) == layout.group_of(kind, g.ranks[0]):
                     out[k] = by_desc[kind]
@@ -143,7 +145,7 @@ def smallest_period(tokens: np.ndarray, max_period: int | None = None,
                     max_mismatch: float = PERIOD_MISMATCH) -> int | None:
     """The smallest ``p`` with ``tokens[i] == tokens[i + p]`` for all but ``max_mismatch`` of the ``i``."""
     n = len(tokens)
-    limit = min(n // 2, max_period or n // 2)
+    limit = min(n // MIN_REPEATS, max_period or n // MIN_REPEATS)
     for p in range(1, limit + 1):
         if np.count_nonzero(tokens[p:] != tokens[:-p]) <= max_mismatch * (n - p):
             return p

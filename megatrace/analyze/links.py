@@ -92,7 +92,7 @@ def p2p_pairs(trace: TraceSet, ix: RecordIndex, it: Iterations, te: np.ndarray, 
     kinds = []
     for ch in chans.tolist():
         g = trace.groups.get(int(ix.group_ids[ix.chan_gidx[ch]]))
-        kinds.append(f"{g.kind} p2p" if g is not None and g.desc else "p2p")
+        kinds.append(f"{g.kind} p2p" if g is not None and g.named else "p2p")
     # Leave out both directions of the same pair when taking the reference.
     pair_key = np.minimum(src, dst) * trace.world_size + np.maximum(src, dst)
     same = [np.flatnonzero(pair_key == k).tolist() for k in pair_key.tolist()] if len(chans) <= EXACT_REFERENCE \

@@ -37,6 +37,7 @@ from megatrace.analyze.traceset import (COLUMNS, GroupInfo, LoadProblem, NodeFac
 
 __all__ = ["QUICK_TAIL", "GroupInfo", "LoadProblem", "NodeFacts", "ProcFact", "RankInfo", "Records",
            "TraceLoadError", "TraceSet", "extend_tails", "fit_layout", "load_trace", "tail_gaps", "widen_tails"]
+from megatrace.analyze import liveness
 from megatrace.analyze.index import RecordIndex, index_records
 from megatrace.config import Layout, LayoutError, load_layout
 from megatrace.trace import ring_format as fmt
@@ -282,7 +283,8 @@ def _rank_read(rank: int, path: Path, snap: RingSnapshot) -> _RankRead:
     left = gids[~np.isin(gids, known)] if len(known) else gids
     unknown = np.unique(left).tolist() if len(left) else []
     info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly, len(recs),
-                    snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns, snap.dropped - snap.overwritten)
+                    snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns, snap.dropped - snap.overwritten,
+                    heartbeat_ns=h.heartbeat_ns)
     return _RankRead(info, recs, entries, meta_path.exists(),
                      [str(p) for p in meta_problems if p.severity == "error"], unknown, _damage(snap))
 
@@ -440,9 +442,11 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
 
     starts = np.concatenate([[0], np.cumsum([i.n_records for i in infos])]).astype(np.int64)
     groups = _groups(metas, used, problems)
+    facts = _node_facts(directory, problems)
+    facts.probe = liveness.probe(infos)
     return TraceSet(path=directory, job_id=job, world_size=world, ranks=np.array(present, dtype=np.int64),
                     rank_info=infos, starts=starts, records=records, groups=groups,
-                    layout=_layout(directory, layout, world, problems), facts=_node_facts(directory, problems),
+                    layout=_layout(directory, layout, world, problems), facts=facts,
                     problems=problems, missing_ranks=missing, tail=tail, meta=metas)
 
 
@@ -656,7 +660,7 @@ def _load_tails(chosen: dict[int, Path], tails: _TailColumns, tally: _Tally) -> 
         snap, h = tails.snaps[path], tails.snaps[path].header
         info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly,
                         tails.rows[path][1], snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns,
-                        snap.dropped - snap.overwritten)
+                        snap.dropped - snap.overwritten, heartbeat_ns=h.heartbeat_ns)
         infos.append(info)
         metas[rank] = entries
         tally.add(_RankRead(info, _NO_RECORDS, entries, found, [str(p) for p in meta_problems if p.severity == "error"],

@@ -65,7 +65,7 @@ def _ranks(trace: TraceSet, hang: Any) -> dict[str, Any]:
             host_col.append(host_ix.setdefault(h, len(hosts)))
             if host_ix[h] == len(hosts):
                 hosts.append(h)
-        g = trace.local_rank_of(r)
+        g = trace.gpu_of(r)
         gpu_col.append(-1 if g is None else int(g))
         s = status.get(r)
         s = "missing" if r in trace.missing_ranks else (s.value if s is not None else "unknown")

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatrace.config import Layout
 
+if TYPE_CHECKING:
+    from megatrace.analyze.liveness import ProcessProbe
+
 MAX_LISTED = 12  # ranks or files named in one problem message before "and N more"
+HOST_BACKENDS = {"gloo", "mpi"}  # process-group backends that move host memory: no GPU is involved
+DEVICE_FLAG = 4  # ring_format.Flag.DEVICE: the call's tensor lived on an accelerator
+UNNAMED_DESCS = ("", "undefined")  # torch's description of a group created without one
 
 
 class TraceLoadError(Exception):
@@ -54,6 +61,7 @@ class RankInfo:
     ended_early: bool = False  # its records stop before its part of the job did (an imported log that lost its
     #                            later dumps): calls of others after its last record are unobserved on it, and its
     #                            silence after it is no stop
+    heartbeat_ns: int = 0  # the tracer's last heartbeat (CLOCK_MONOTONIC of its host); 0: none (liveness.py)
 
 
 @dataclass(frozen=True)
@@ -68,16 +76,21 @@ class GroupInfo:
     inferred: bool = False  # members guessed from who used the group (no meta line seen)
 
     @property
+    def named(self) -> bool:
+        """The group has a description of its own (torch calls an undescribed one "undefined")."""
+        return self.desc not in UNNAMED_DESCS
+
+    @property
     def kind(self) -> str:
-        """A short name: the description (tp, pp, dp, world) or the group's name."""
+        """A short name: the description (tp, pp, dp, world), else the group's members."""
         if self.desc == "default_pg":
             return "world"
-        return self.desc or (f"group {self.name}" if self.name else f"group {self.gid}")
+        return self.desc if self.named else f"group {rank_list(self.ranks)}"
 
     @property
     def label(self) -> str:
-        """E.g. ``tp group [2, 3]``."""
-        return f"{self.kind} group {rank_list(self.ranks)}"
+        """E.g. ``tp group [2, 3]``, or ``group [0, 1]`` for a group without a description."""
+        return f"{self.kind} group {rank_list(self.ranks)}" if self.named else self.kind
 
     def to_dict(self) -> dict:
         return {"gid": self.gid, "name": self.name, "desc": self.desc, "ranks": list(self.ranks),
@@ -118,6 +131,7 @@ class NodeFacts:
     procs: dict[int, ProcFact] = field(default_factory=dict)
     outcome: str | None = None  # the launcher's own summary, e.g. "stalled"
     message: str | None = None
+    probe: ProcessProbe | None = None  # this host's process table, for rings still open (analyze/liveness.py)
 
 
 @dataclass
@@ -207,6 +221,19 @@ class TraceSet:
         if self.layout is not None and rank in self.layout.ranks:
             return self.layout.ranks[rank].host or None
         return None
+
+    @property
+    def cpu_only(self) -> bool:
+        """Every group's backend is known and runs on host memory (gloo, mpi) and no call was on a device."""
+        if not hasattr(self, "_cpu_only"):
+            backends = {g.backend.split(":")[0] for g in self.groups.values()}
+            on_device = bool(len(self.records)) and bool((self.records.flags & DEVICE_FLAG).any())
+            self._cpu_only = bool(backends) and backends <= HOST_BACKENDS and not on_device
+        return self._cpu_only
+
+    def gpu_of(self, rank: int) -> int | None:
+        """The GPU a rank used (its local rank on a GPU node); None for a CPU-only job or when unknown."""
+        return None if self.cpu_only else self.local_rank_of(rank)
 
     def local_rank_of(self, rank: int) -> int | None:
         info = self.info(rank)

@@ -35,9 +35,9 @@ def where(trace: TraceSet, rank: int) -> str:
     host = trace.host_of(rank)
     if host:
         parts.append(f"host {host}")
-    local = trace.local_rank_of(rank)
-    if local is not None:
-        parts.append(f"GPU {local}")
+    gpu = trace.gpu_of(rank)
+    if gpu is not None:
+        parts.append(f"GPU {gpu}")
     c = coords(trace, rank)
     if c is not None:
         parts.append(f"pp={c['pp']} dp={c['dp']} tp={c['tp']}")
@@ -51,13 +51,13 @@ def rank_label(trace: TraceSet, rank: int) -> str:
 
 
 def rank_subject(trace: TraceSet, rank: int, group: GroupInfo | None = None) -> Subject:
-    return Subject(rank=rank, host=trace.host_of(rank), local_rank=trace.local_rank_of(rank),
+    return Subject(rank=rank, host=trace.host_of(rank), local_rank=trace.gpu_of(rank),
                    coords=coords(trace, rank), group=group.to_dict() if group else None)
 
 
 def group_prefix(group: GroupInfo | None) -> str:
     """``TP`` for a tp group, ``world`` for the default group, ``''`` when unknown."""
-    if group is None:
+    if group is None or not group.named:
         return ""
     kind = group.kind
     return kind.upper() if kind in ("tp", "pp", "dp", "cp", "ep") else kind
@@ -68,8 +68,8 @@ def collective_label(trace: TraceSet, gid: int, op: int, seq: int) -> str:
     group = trace.groups.get(gid)
     if group is None:
         return f"{op_name(op)} #{seq} (group {gid})"
-    if not group.desc:
-        return f"{op_name(op)} #{seq} (group {group.name or gid} {rank_list(group.ranks)})"
+    if not group.named:
+        return f"group {rank_list(group.ranks)} {op_name(op)} #{seq}"
     return f"{group_prefix(group)} {op_name(op)} #{seq} (group {rank_list(group.ranks)})"
 
 

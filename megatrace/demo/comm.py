@@ -32,12 +32,9 @@ def create_groups(layout: Layout, rank: int, timeout: timedelta) -> dict[str, di
 
 
 class Comm:
-    """This rank's groups, plus a gate called right before every communication call (fault injection).
+    """This rank's groups, plus a gate called right before every communication call (fault injection)."""
 
-    The gate is :meth:`megatrace.demo.inject.FaultInjector.before_comm`; point-to-point calls pass ``p2p=True``.
-    """
-
-    def __init__(self, layout: Layout, groups: dict[str, dist.ProcessGroup], gate: Callable[..., None]) -> None:
+    def __init__(self, layout: Layout, groups: dict[str, dist.ProcessGroup], gate: Callable[[], None]) -> None:
         self.groups = groups
         self.sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
         self.gate = gate
@@ -66,7 +63,7 @@ class Comm:
         # delayed by a slowlink fault shows as a late arrival in the peer's receive.
         ops = [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
         ops += [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-        self.gate(p2p=True)
+        self.gate()
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 

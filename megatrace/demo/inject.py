@@ -1,34 +1,35 @@
 """Fault injection inside one demo worker (the specs are in :mod:`megatrace.demo.faults`).
 
-``hang``, ``crash`` and ``slow`` act at the Python level, between the training loop's own
-steps. ``commhang`` acts *below* every caller of a process group, DDP's reducer, FSDP,
-DTensor and pipelining included: it stops this process's gloo threads (transport loop and
-``ProcessGroupGloo`` workers) for good, so the rank's next collective is entered, recorded
-by the tracer, and never completes, and its peers wait in the same collective. ``slowlink``
-delays ``ProcessGroup.send`` between two ranks, under the ``torch.distributed`` functions but
-above the c10d operator where the tracer records: the send is recorded late and the peer's
-receive, posted earlier, waits the delay out. For that, a rank with a slow link posts the
-receives of each ``batch_isend_irecv`` before its sends, as the 3D demo's own batches do
-(torch's pipelining lists the sends first, and the delay would hold up the receives behind them).
+``hang``, ``crash`` and ``slow`` act at the Python level, between the demo's own
+calls. ``commhang`` and ``slowlink`` act *inside* the communication call: a kernel of
+their own sits in front of the c10d operators' CPU kernels (``torch.library``, keeping
+the original), registered before the process group exists. The tracer's dispatcher
+hook, installed when the process group is created, then sits in front of it, so the
+call is recorded as entered on time and hangs, or is late, inside the backend, as a
+stuck network would make it. That holds whoever issues the call: the demo, DDP's reducer,
+FSDP, DTensor or pipelining. A rank with a slow link also posts the receives of each
+``batch_isend_irecv`` before its sends (as the 3D demo's own batches do; torch's pipelining
+lists the sends first), so that a late send does not hold up the sender's own receives.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 import time
-from pathlib import Path
-from typing import Any
+import warnings
+from functools import partial
+from typing import Any, Callable
 
 from megatrace.config import Layout
 from megatrace.demo.faults import (CommHangFault, CrashFault, FaultSpec, HangFault, PHASES, SlowFault,
                                    SlowLinkFault, format_fault)
 
-# Thread names of gloo's TCP transport loop and of ProcessGroupGloo's workers (torch 2.x).
-COMM_THREAD_PREFIXES = ("gloo_", "pt_gloo")
-FREEZE_SIGNAL = signal.SIGUSR2
+# c10d operators behind the collectives the demo issues, and the one behind a send.
+COLLECTIVE_OPS = ("allreduce_", "allreduce_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+                  "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "reduce_scatter_")
+SEND_OP = "send"
+P2P_OPS = (SEND_OP, "recv_")
 
 
 def _say(message: str) -> None:
@@ -41,59 +42,35 @@ def block_forever() -> None:
         time.sleep(3600)
 
 
-class FreezeError(RuntimeError):
-    """The communication threads of this process cannot be stopped here."""
-
-
-def freeze_comm_threads() -> int:
-    """Stop every gloo thread of this process where it is, for good; return how many were stopped.
-
-    Each gets :data:`FREEZE_SIGNAL`, whose handler is libc's ``pause()``: the thread sleeps inside
-    the handler until the process dies. The main thread runs on: its next collective is entered,
-    and waits forever for a worker that never runs it. SIGTERM and SIGKILL still end the process.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    tgkill = getattr(libc, "tgkill", None)
-    if tgkill is None or not os.path.isdir("/proc/self/task"):
-        raise FreezeError("commhang needs Linux with glibc 2.30 or newer (tgkill, /proc/self/task)")
-    libc.signal.restype = ctypes.c_void_p
-    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-    libc.signal(FREEZE_SIGNAL, ctypes.cast(libc.pause, ctypes.c_void_p))
-    frozen = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-        except OSError:  # the thread has just exited
-            continue
-        if name.startswith(COMM_THREAD_PREFIXES) and tgkill(os.getpid(), int(tid), FREEZE_SIGNAL) == 0:
-            frozen += 1
-    if not frozen:
-        raise FreezeError("no gloo thread found in this process (is the process group initialised?)")
-    return frozen
-
-
 class FaultInjector:
     """The faults that concern one rank, driven by the training loop's step and phase notifications."""
 
-    def __init__(self, faults: list[FaultSpec], rank: int, layout: Layout) -> None:
+    def __init__(self, faults: list[FaultSpec], rank: int, layout: Layout,
+                 commhang_ops: tuple[str, ...] = COLLECTIVE_OPS) -> None:
+        """``commhang_ops``: the c10d operators a commhang stops in (an engine whose only traffic is
+        point-to-point adds :data:`P2P_OPS`)."""
         self.rank = rank
+        self.commhang_ops = commhang_ops
         self.layout = layout
         self.faults = [f for f in faults
                        if (rank in f.ranks if isinstance(f, SlowLinkFault) else f.rank == rank)]
         self.step = -1
         self.phase = ""
         self._hang_armed: HangFault | None = None
-        self._commhang = next((f for f in self.faults if isinstance(f, CommHangFault)), None)
-        self._frozen = False
+        self._commhang_from: int | None = None
+        self._library: Any = None
 
     # -- notifications from the training loop ---------------------------------------------------
     def install(self) -> None:
-        """Patch the ProcessGroup class for a slowlink fault (call after init_process_group)."""
-        links = [f for f in self.faults if isinstance(f, SlowLinkFault)]
-        for fault in links:
-            self._patch_send(fault)
-        if links:
-            _receives_first()
+        """Put the commhang / slowlink kernels in place; call *before* init_process_group (see the module doc)."""
+        for fault in self.faults:
+            if isinstance(fault, CommHangFault):
+                self._commhang_from = fault.step
+                for op in self.commhang_ops:
+                    self._wrap_kernel(op, self._commhang_kernel)
+            elif isinstance(fault, SlowLinkFault):
+                self._wrap_kernel(SEND_OP, partial(self._slowlink_kernel, fault))
+                _receives_first()
 
     def start_step(self, step: int) -> None:
         self.step, self.phase = step, ""
@@ -110,21 +87,8 @@ class FaultInjector:
                     and (self.step, PHASES.index(phase)) >= (fault.step, PHASES.index(fault.phase))):
                 self._hang_armed = fault
 
-    def before_comm(self, p2p: bool = False) -> None:
-        """Called right before a communication call, or where a phase that issues them starts.
-
-        An armed hang stops the rank here. From the commhang fault's step on, the first call that
-        is not point-to-point stops the rank's communication threads: that call never returns.
-        """
-        self._stop_if_hang()
-        fault = self._commhang
-        if fault is not None and not p2p and not self._frozen and self.step >= fault.step:
-            threads = freeze_comm_threads()
-            self._frozen = True
-            _say(f"injected commhang on rank {self.rank} at step {self.step} ({self.phase or 'start'}): "
-                 f"{threads} gloo threads stopped, the next collective never returns ({format_fault(fault)})")
-
-    def _stop_if_hang(self) -> None:
+    def before_comm(self) -> None:
+        """Called right before every collective / p2p call: an armed hang stops the rank here."""
         if self._hang_armed is not None:
             _say(f"injected hang on rank {self.rank} at step {self.step} ({self.phase}) before a "
                  f"communication call ({format_fault(self._hang_armed)})")
@@ -132,7 +96,7 @@ class FaultInjector:
 
     def end_step(self) -> None:
         """An armed hang that met no communication call in its phase stops the rank at the step's end."""
-        self._stop_if_hang()
+        self.before_comm()
 
     def slowdown(self) -> float:
         """The factor by which this rank's compute runs slower at the current step."""
@@ -142,25 +106,48 @@ class FaultInjector:
                 factor *= fault.factor
         return factor
 
-    # -- below-the-API patches --------------------------------------------------------------------
-    def _patch_send(self, fault: SlowLinkFault) -> None:
-        import torch.distributed as dist
-        from torch._C._distributed_c10d import ProcessGroup
+    # -- inside the communication call ------------------------------------------------------------
+    def _wrap_kernel(self, op: str, inject: Callable[..., None]) -> None:
+        """Run ``inject(op, args)`` in front of the CPU kernel of ``c10d::<op>``, then the kernel itself."""
+        import torch
 
+        if self._library is None:
+            self._library = torch.library.Library("c10d", "IMPL")
+        try:
+            original = torch.library.get_kernel(f"c10d::{op}", "CPU")
+        except RuntimeError:  # not an operator of this torch
+            return
+
+        def kernel(keyset: Any, *args: Any) -> Any:
+            inject(op, args)
+            return original.call_boxed(keyset, *args)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
+            self._library.impl(op, kernel, "CPU", with_keyset=True)
+
+    def _commhang_kernel(self, op: str, args: tuple) -> None:
+        if self._commhang_from is not None and self.step >= self._commhang_from:
+            _say(f"injected commhang on rank {self.rank} at step {self.step}: c10d::{op} on group "
+                 f"{_group_desc(args)} never returns")
+            block_forever()
+
+    def _slowlink_kernel(self, fault: SlowLinkFault, op: str, args: tuple) -> None:
         other = fault.ranks[1] if fault.ranks[0] == self.rank else fault.ranks[0]
-        delay_s = fault.delay_ms / 1000.0
-        orig = ProcessGroup.send
+        dst = int(args[2])  # c10d::send(Tensor[] tensors, ProcessGroup process_group, int dst, int tag)
+        if _global_rank(args, dst) == other:
+            time.sleep(fault.delay_ms / 1000.0)
 
-        def send(pg: Any, tensors: Any, dst: int, *args: Any, **kwargs: Any) -> Any:
-            try:
-                peer = dist.get_global_rank(pg, dst)
-            except (RuntimeError, ValueError):  # a group torch.distributed does not know: not the link
-                peer = None
-            if peer == other:
-                time.sleep(delay_s)
-            return orig(pg, tensors, dst, *args, **kwargs)
 
-        ProcessGroup.send = send
+def _global_rank(args: tuple, group_rank: int) -> int | None:
+    """The global rank of ``group_rank`` in the process group of a c10d operator's call (None if unknown)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup
+
+    try:
+        return dist.get_global_rank(ProcessGroup.unbox(args[1]), group_rank)
+    except Exception:  # noqa: BLE001 - a group torch.distributed does not know: not the link
+        return None
 
 
 def _receives_first() -> None:
@@ -170,9 +157,18 @@ def _receives_first() -> None:
     orig = dist.batch_isend_irecv
 
     def batch_isend_irecv(p2p_op_list: list[Any]) -> Any:
-        ops = list(p2p_op_list)
-        ops.sort(key=lambda op: getattr(op.op, "__name__", "") != "irecv")  # stable: receives, then sends
+        ops = sorted(p2p_op_list, key=lambda op: getattr(op.op, "__name__", "") != "irecv")  # stable
         return orig(ops)
 
     batch_isend_irecv.__doc__ = orig.__doc__
     dist.batch_isend_irecv = batch_isend_irecv
+
+
+def _group_desc(args: tuple) -> str:
+    """The description of the process group a c10d operator was called on (its second argument)."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    try:
+        return str(ProcessGroup.unbox(args[1]).group_desc)
+    except Exception:  # noqa: BLE001
+        return "?"

@@ -23,7 +23,7 @@ import megatrace
 from megatrace.config import Layout
 from megatrace.demo.env import DistEnv
 from megatrace.demo.faults import FaultSpec
-from megatrace.demo.inject import FaultInjector
+from megatrace.demo.inject import COLLECTIVE_OPS, FaultInjector
 
 FR_DUMP_ENV = "MEGATRACE_DEMO_FR_DUMP"  # opt-in: write PyTorch Flight Recorder dumps (needs TORCH_FR_BUFFER_SIZE)
 FR_DUMP_PERIOD_S = 1.0
@@ -101,12 +101,13 @@ class Session:
     out: Path
     markers: Markers
     comm_timeout_s: float
+    commhang_ops: tuple[str, ...] = COLLECTIVE_OPS  # the c10d operators a commhang fault stops in
     injector: FaultInjector = field(init=False)
     name: str = field(init=False)  # rank-NNNNN, the stem of this rank's log, heartbeat and metrics files
     heartbeat: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        self.injector = FaultInjector(self.faults, self.env.rank, self.layout)
+        self.injector = FaultInjector(self.faults, self.env.rank, self.layout, self.commhang_ops)
         self.name = f"rank-{self.env.rank:05d}"
         self.heartbeat = self.out / "logs" / f"{self.name}.heartbeat"
 
@@ -115,7 +116,11 @@ class Session:
         return timedelta(seconds=self.comm_timeout_s)
 
     def start(self) -> None:
-        """Join the job's gloo process group (torchrun-style variables set from the resolved environment)."""
+        """Join the job's gloo process group (torchrun-style variables set from the resolved environment).
+
+        The fault kernels go in first, so that the tracer's dispatcher hook, installed with the
+        process group, sits in front of them (see :mod:`megatrace.demo.inject`).
+        """
         import torch
         import torch.distributed as dist
 
@@ -124,13 +129,13 @@ class Session:
         env = self.env
         os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port), RANK=str(env.rank),
                           WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank))
+        self.injector.install()
         dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=self.timeout)
         if os.environ.get(FR_DUMP_ENV):
             start_fr_dumps(Path(os.environ[FR_DUMP_ENV]), env.rank)
 
     def ready(self) -> None:
-        """Set-up is done (groups, model): arm the below-the-API faults and tell the launcher."""
-        self.injector.install()
+        """Set-up is done (groups, model): tell the launcher, which from now on takes silence for a hang."""
         self.beat("ready")
 
     def beat(self, text: str) -> None:

@@ -18,6 +18,7 @@ from megatrace.config import ORDERS, SCHEDULES, Layout, LayoutError, save_layout
 from megatrace.demo.engines import DEFAULT_ENGINE, ENGINES, check_engine_fault, engine_layout
 from megatrace.demo.env import DistEnv, EnvError, resolve_env
 from megatrace.demo.faults import FaultError, FaultSpec, parse_fault, validate_faults, write_fault_json
+from megatrace.demo.inject import COLLECTIVE_OPS, P2P_OPS
 from megatrace.demo.runtime import Markers, Session
 from megatrace.schedule import DP_MODES
 
@@ -72,5 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except (EnvError, LayoutError, FaultError) as exc:
         print(f"megatrace demo: error: {exc}", file=sys.stderr)
         return 2
-    session = Session(env, layout, faults, out, Markers(args.markers), args.comm_timeout)
-    return ENGINES[args.engine].trainer()(session, args)
+    engine = ENGINES[args.engine]
+    session = Session(env, layout, faults, out, Markers(args.markers), args.comm_timeout,
+                      COLLECTIVE_OPS + P2P_OPS if engine.point_to_point else COLLECTIVE_OPS)
+    return engine.trainer()(session, args)

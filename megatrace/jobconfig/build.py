@@ -10,7 +10,7 @@ import numpy as np
 from megatrace.config import Layout
 from megatrace.jobconfig.checks import check, derive
 from megatrace.jobconfig.frameworks import read_trainer
-from megatrace.jobconfig.groups import GroupUse, infer_from_groups
+from megatrace.jobconfig.groups import GroupUse, data_parallel_world, infer_from_groups
 from megatrace.jobconfig.model import FIELDS, JobConfig
 from megatrace.jobconfig.runtime import read_runtime
 from megatrace.trace import ring_format as fmt
@@ -78,7 +78,8 @@ def build_job_config(trace: Any, explicit: tuple[Layout, str, bool] | None = Non
     hosts = {i.rank: i.host for i in trace.rank_info if i.host}
     local = {i.rank: i.local_rank for i in trace.rank_info}
     read_runtime(job, trace.world_size, hosts, local, process, env)
-    inference = infer_from_groups(group_uses(trace), trace.world_size)
+    uses = group_uses(trace)
+    inference = infer_from_groups(uses, trace.world_size)
     job.inference = inference.to_dict()
     for dim in inference.dims:
         if dim.name and dim.seen and dim.name in FIELDS:
@@ -90,6 +91,11 @@ def build_job_config(trace: Any, explicit: tuple[Layout, str, bool] | None = Non
             if not job.has(name, kinds=("groups",)):
                 job.offer(name, size, "groups", "process groups: no group of this dimension (size 1)")
         job.offer("order", got[1], "groups", "process groups: dimensions by rank stride")
+    if not any(job.has(n) for n in ("tp", "pp", "dp")) and data_parallel_world(uses, trace.world_size):
+        why = ("process groups: only the world group carries collectives and nothing is point-to-point, so every "
+               "rank does the same work (data parallel)")
+        for name, size in (("dp", trace.world_size), ("tp", 1), ("pp", 1)):
+            job.offer(name, size, "groups", why)
     derive(job)
     check(job, inference)
     return job

@@ -192,6 +192,14 @@ def infer_from_groups(groups: list[GroupUse], world: int) -> Inference:
     return inf
 
 
+def data_parallel_world(groups: list[GroupUse], world: int) -> bool:
+    """Every collective runs on the whole world and no rank sends to another (DDP, FSDP on one group): with no
+    source of sizes, every rank does the same work, which is data parallelism as far as analysis goes."""
+    used = [g for g in groups if g.collectives or g.p2p]
+    return (world > 1 and bool(used) and not any(g.p2p for g in used)
+            and all(len(set(g.ranks)) == world for g in used))
+
+
 def _name(inf: Inference) -> None:
     """Name the dimensions the descriptions left unnamed (see the module docstring)."""
     taken = {d.name for d in inf.dims if d.name}

@@ -21,7 +21,7 @@ HEADLINES = {  # finding kind -> the banner's first word(s)
     "deadlock": "DEADLOCK", "possible-hang": "POSSIBLE HANG", "partial-stop": "PARTIAL STOP",
     "straggler": "STRAGGLER", "slow-link": "SLOW LINK", "slow-rank-network": "SLOW NETWORK",
     "step-slowdown": "SLOWDOWN", "healthy": "HEALTHY", "critical-path": "HEALTHY", "trace-problem": "TRACE PROBLEM",
-    "clock": "CLOCK", "rule": "RULE", "rule-error": "RULE ERROR",
+    "clock": "CLOCK", "rule": "RULE", "rule-error": "RULE ERROR", "stall": "STALL",
 }
 HANG_KINDS = {"compute-hang", "comm-hang", "crashed-process", "exited-early", "no-trace", "collective-mismatch",
               "deadlock", "possible-hang"}
@@ -107,10 +107,13 @@ def _banner(doc: dict[str, Any], top: dict[str, Any] | None) -> Banner:
     if top is None:
         return Banner("NO FINDINGS", "the analysis produced no findings", "info", None, "Trace ends", None, "", True)
     kind, sev = str(top.get("kind", "")), str(top.get("severity", "info"))
-    healthy = kind in ("healthy", "critical-path") or sev == "info"
+    # An unfinished trace with no rank blocked is not a healthy run: it had not ended when it was read.
+    healthy = kind in ("healthy", "critical-path") or (sev == "info" and kind not in HANG_KINDS)
     headline = HEADLINES.get(kind, kind.upper() or "FINDING")
     if healthy:
         headline = "HEALTHY"
+    elif kind == "possible-hang" and sev == "info":
+        headline = "NOT FINISHED"
     data = top.get("data") or {}
     when = utc(data.get("stop_ns")) or utc(((doc.get("analysis") or {}).get("hang") or {}).get("end_ns"))
     when_label = "Incident" if utc(data.get("stop_ns")) and not healthy else "Trace ends"

@@ -31,6 +31,10 @@ WRITE_COUNTER_OFFSET = 256  # u64: sequence number of the last committed record
 WRITER_STATE_OFFSET = 264  # u32: WriterState
 WRITE_COUNTER = struct.Struct("<Q")
 WRITER_STATE = struct.Struct("<I")
+HEARTBEAT_OFFSET = 272  # u64: CLOCK_MONOTONIC of the writer's last heartbeat; 0: the writer does not beat
+HEARTBEAT = struct.Struct("<Q")
+HEARTBEAT_INTERVAL_NS = 100_000_000  # the torch tracer beats ten times a second (a thread, not the training thread):
+#                                      fine enough to tell which of two processes killed moments apart went first
 
 # Record: immutable head (bytes 0..44) + head_check, then a mutable tail.
 RECORD_HEAD = struct.Struct("<QQqQIiHBB")  # seq, group_seq, t_enqueue, nbytes, gid, peer, op, dtype, flags

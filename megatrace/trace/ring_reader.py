@@ -73,6 +73,7 @@ class RingHeader:
     host: str
     write_counter: int
     writer_state: int
+    heartbeat_ns: int = 0  # the writer's last heartbeat (its host's CLOCK_MONOTONIC); 0: it does not beat
 
     @property
     def closed_cleanly(self) -> bool:
@@ -133,15 +134,16 @@ def _empty_rows(raw: np.ndarray) -> np.ndarray:
     return acc == 0
 
 
-_HEADER_USED = fmt.WRITER_STATE_OFFSET + fmt.WRITER_STATE.size  # the header bytes that hold anything
+_HEADER_USED = fmt.HEARTBEAT_OFFSET + fmt.HEARTBEAT.size  # the header bytes that hold anything
+_HEADER_REQUIRED = fmt.WRITER_STATE_OFFSET + fmt.WRITER_STATE.size  # ... of which a reader needs these
 
 
 def parse_header(path: str, blob: bytes, file_size: int | None = None) -> tuple[RingHeader, list[ReadProblem]]:
     """The header fields and their problems; ``blob`` is the file's start (all of the 4096-byte header,
-    or, with ``file_size`` given, at least its first 268 bytes: the rest is reserved)."""
+    or, with ``file_size`` given, at least its first 268 bytes; the heartbeat at 272 is read when present)."""
     problems: list[ReadProblem] = []
     size = len(blob) if file_size is None else file_size
-    if size < fmt.HEADER_SIZE or len(blob) < _HEADER_USED:
+    if size < fmt.HEADER_SIZE or len(blob) < _HEADER_REQUIRED:
         raise RingFormatError(f"{path}: {size} bytes, shorter than the {fmt.HEADER_SIZE}-byte ring header")
     static = blob[:fmt.HEADER_STATIC.size]
     (magic, version, header_size, record_size, capacity, rank, local_rank, world_size, pid,
@@ -161,8 +163,9 @@ def parse_header(path: str, blob: bytes, file_size: int | None = None) -> tuple[
                               f"record {record_size}, capacity {capacity})")
     counter = fmt.WRITE_COUNTER.unpack_from(blob, fmt.WRITE_COUNTER_OFFSET)[0]
     state = fmt.WRITER_STATE.unpack_from(blob, fmt.WRITER_STATE_OFFSET)[0]
+    beat = fmt.HEARTBEAT.unpack_from(blob, fmt.HEARTBEAT_OFFSET)[0] if len(blob) >= _HEADER_USED else 0
     header = RingHeader(path, version, capacity, rank, local_rank, world_size, pid, wall, mono,
-                        _decode(job), _decode(step), _decode(host), counter, state)
+                        _decode(job), _decode(step), _decode(host), counter, state, beat)
     return header, problems
 
 

@@ -182,6 +182,10 @@ class RingWriter:
                           separators=(",", ":"), default=str) + "\n"
         os.write(self._meta_fd, line.encode())
 
+    def beat(self, *, _now=time.monotonic_ns, _pack=fmt.HEARTBEAT.pack_into) -> None:
+        """Say "this process still runs": the header's heartbeat, rewritten by the tracer's heartbeat thread."""
+        _pack(self._mm, fmt.HEARTBEAT_OFFSET, _now())
+
     @property
     def records_written(self) -> int:
         return fmt.WRITE_COUNTER.unpack_from(self._mm, fmt.WRITE_COUNTER_OFFSET)[0]

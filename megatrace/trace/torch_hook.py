@@ -35,6 +35,7 @@ from typing import Any
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.completion import CompletionPoller, Handle, UnwaitedSweeper
 from megatrace.trace.environment import filter_env, job_inputs, library_versions
+from megatrace.trace.heartbeat import Heartbeat
 from megatrace.trace.ring_writer import RingIdentity, RingOpenError, RingWriter
 from megatrace.trace.settings import TracerSettings
 from megatrace.trace.warnings import warn_once
@@ -111,6 +112,7 @@ class Tracer:
         self.waits: dict[Any, Handle] = {}  # gloo p2p works without a future -> their record
         self._device_poller: CompletionPoller | None = None
         self._sweeper: UnwaitedSweeper | None = None
+        self._heartbeat: Heartbeat | None = None
         self._events: list[Any] = []  # free device events
         self.step = -1
         self.hook: Any = None  # megatrace.trace._c10d_hook, when it loads for this torch
@@ -136,6 +138,11 @@ class Tracer:
             warn_once("ring-open", f"{exc}; tracing is off for this process, training goes on")
             return
         self.writer = writer
+        try:
+            self._heartbeat = Heartbeat(writer.beat)
+            self._heartbeat.start()
+        except Exception as exc:  # noqa: BLE001
+            warn_once("heartbeat", f"no heartbeat ({exc!r}); a stopped rank is told from the records alone")
         if self.hook is None:  # now, not at install(): torch may still be importing then
             _install_dispatch_hook(self, self.torch)
         self.attach_hook()
@@ -189,7 +196,7 @@ class Tracer:
         if self.cpu_native:  # before the mapping can go away with the interpreter
             self.hook.detach()
             self.cpu_native = False
-        for poller in (self._device_poller, self._sweeper):
+        for poller in (self._device_poller, self._sweeper, self._heartbeat):
             if poller is not None:
                 poller.stop()
         if self.writer is not None:

@@ -35,6 +35,7 @@ class Engine:
     microbatches: bool  # takes --microbatches (a pipeline schedule)
     faults: tuple[str, ...]
     default_ranks: int
+    point_to_point: bool = False  # trains by sends and receives only: a commhang stops in those too
 
     def trainer(self) -> Callable[..., int]:
         """The engine's ``train(session, args)`` (imports torch)."""
@@ -54,7 +55,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("tp", "DTensor parallelize_module, ColwiseParallel + RowwiseParallel on a DeviceMesh", "tp",
            ("tp", "dp"), False, _NO_P2P, 4),
     Engine("pipeline", "torch.distributed.pipelining PipelineStage + Schedule1F1B, one stage per rank",
-           "pipeline", ("pp",), True, _ALL_FAULTS, 4),
+           "pipeline", ("pp",), True, _ALL_FAULTS, 4, point_to_point=True),
 )}
 DEFAULT_ENGINE = "3d"
 

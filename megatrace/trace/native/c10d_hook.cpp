@@ -24,6 +24,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -38,6 +40,12 @@ extern "C" {
 
 #ifndef MEGATRACE_TORCH_VERSION
 #define MEGATRACE_TORCH_VERSION "unknown"
+#endif
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define MT_PY_FINALIZING() Py_IsFinalizing()
+#else
+#define MT_PY_FINALIZING() _Py_IsFinalizing()
 #endif
 
 namespace {
@@ -110,7 +118,7 @@ uint8_t dtype_code(c10::ScalarType t)
 template <typename... Args>
 void call_python(PyObject *fn, const char *format, Args... args)
 {
-    if (fn == nullptr || !Py_IsInitialized() || _Py_IsFinalizing())
+    if (fn == nullptr || !Py_IsInitialized() || MT_PY_FINALIZING())
         return;
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject *r = PyObject_CallFunction(fn, format, args...);
@@ -320,8 +328,10 @@ class TracingKernel final : public c10::OperatorKernel {
         Group *g = group_of(pg.get());
         int32_t peer = -1;
         uint64_t group_seq;
+        uint32_t gid;
         {
             std::lock_guard<std::mutex> lock(g_groups_mu);
+            gid = g->gid;
             if (group_peer >= 0 && (size_t)group_peer < g->ranks.size())
                 peer = g->ranks[group_peer];
             if (spec_.kind == kCollective)
@@ -330,7 +340,7 @@ class TracingKernel final : public c10::OperatorKernel {
                 group_seq = ++(spec_.kind == kSend ? g->send_seq : g->recv_seq)[peer];
         }
         uint64_t seq = __atomic_fetch_add(ring.next_seq, 1, __ATOMIC_RELAXED);
-        p.off = mt_record_begin(ring.base, ring.capacity, seq, group_seq, nbytes, g->gid, peer, spec_.op,
+        p.off = mt_record_begin(ring.base, ring.capacity, seq, group_seq, nbytes, gid, peer, spec_.op,
                                 (uint8_t)(dtype < 0 ? 0 : dtype), flags);
         p.seq = seq;
         g_calls.fetch_add(1, std::memory_order_relaxed);
@@ -369,7 +379,8 @@ class TracingKernel final : public c10::OperatorKernel {
     c10::SafeKernelFunction original_;
 };
 
-std::unique_ptr<torch::Library> g_library;
+// Deleted only by uninstall(): never by static destruction at exit, when the dispatcher may be gone.
+torch::Library *g_library = nullptr;
 std::vector<std::string> g_hooked;
 
 /* A warning handler that drops the dispatcher's "Overriding a previously registered kernel". */
@@ -423,7 +434,7 @@ PyObject *py_install(PyObject *, PyObject *args)
             }
             Py_DECREF(s);
         }
-        g_library = std::move(lib);
+        g_library = lib.release();
     } catch (const std::exception &e) {
         Py_DECREF(hooked);
         PyErr_Format(PyExc_RuntimeError, "cannot register the c10d kernels: %s", e.what());
@@ -437,7 +448,8 @@ PyObject *py_uninstall(PyObject *, PyObject *)
     try {
         QuietHandler quiet;
         c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-        g_library.reset();  // the dispatcher restores the original kernels
+        delete g_library;  // the dispatcher restores the original kernels
+        g_library = nullptr;
     } catch (const std::exception &e) {
         PyErr_Format(PyExc_RuntimeError, "cannot remove the c10d kernels: %s", e.what());
         return nullptr;
@@ -457,6 +469,10 @@ PyObject *py_attach(PyObject *, PyObject *args)
     }
     // Never freed: completions may still arrive from backend threads after detach().
     Ring *ring = new Ring{reinterpret_cast<unsigned char *>(base), capacity, reinterpret_cast<uint64_t *>(counter)};
+    static bool fork_handler = false;
+    if (!fork_handler) {  // a forked child (a data-loader worker) must not write into its parent's ring
+        fork_handler = pthread_atfork(nullptr, nullptr, [] { g_ring.store(nullptr, std::memory_order_relaxed); }) == 0;
+    }
     g_ring.store(ring, std::memory_order_release);
     Py_RETURN_NONE;
 }

@@ -1,0 +1,176 @@
+"""Whether each rank's process still runs: its heartbeat, and, on the analysing host, ``/proc``.
+
+Rings are read while jobs run (``megatrace analyze`` on a hung job's node-local rings, the node
+agent) and after they end. Two sources say which processes were alive and when the trace was
+observed, neither of them a guess:
+
+* the **heartbeat** each torch tracer writes into its ring header twice a second
+  (``RankInfo.heartbeat_ns``): the newest one of a job is the moment it was last seen, and a rank
+  whose beats stopped long before the others' was stopped, killed or wedged;
+* the **process table** of this host, for rings still open that a process of this host writes:
+  running, stopped (``T``: SIGSTOP, a debugger), or gone. A pid is trusted only if its process
+  started before its ring was created (a recycled pid is not the writer).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from megatrace.analyze.traceset import RankInfo
+
+RUNNING, STOPPED, GONE = "running", "stopped", "gone"
+START_SLACK_NS = 5_000_000_000  # a writer's process started at most this long after its ring was created
+
+
+@dataclass(frozen=True)
+class ProcessProbe:
+    """What this host's process table said of the open rings' writers, and when (this host's monotonic clock)."""
+
+    host: str
+    mono_ns: int
+    states: dict[int, str] = field(default_factory=dict)  # rank -> RUNNING / STOPPED / GONE
+
+
+def local_names() -> set[str]:
+    names = {socket.gethostname()}
+    node = os.environ.get("SLURMD_NODENAME")
+    if node:
+        names.add(node)
+    return names
+
+
+def _clock_ticks() -> int:
+    try:
+        return os.sysconf("SC_CLK_TCK")
+    except (ValueError, OSError):
+        return 100
+
+
+def process_state(pid: int, ring_created_mono_ns: int, proc: str = "/proc") -> str:
+    """RUNNING, STOPPED or GONE for the writer ``pid`` of a ring created at ``ring_created_mono_ns``."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            stat = f.read(4096).decode("ascii", "replace")
+    except OSError:
+        return GONE
+    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+    if len(fields) < 20:
+        return GONE
+    state, start_ticks = fields[0], int(fields[19]) if fields[19].isdigit() else 0
+    if start_ticks * 1_000_000_000 // _clock_ticks() > ring_created_mono_ns + START_SLACK_NS:
+        return GONE  # this pid now belongs to a process younger than the ring
+    if state in ("Z", "X", "x"):
+        return GONE
+    return STOPPED if state in ("T", "t") else RUNNING
+
+
+def probe(infos: list[RankInfo]) -> ProcessProbe | None:
+    """The states of the open rings' writers on this host; None when no such ring is here."""
+    names = local_names()
+    mine = [i for i in infos if not i.closed_cleanly and i.pid > 0 and i.host in names]
+    if not mine:
+        return None
+    states = {i.rank: process_state(i.pid, i.anchor_mono_ns) for i in mine}
+    return ProcessProbe(next(iter(names & {i.host for i in mine})), time.monotonic_ns(), states)
+
+
+# -- assessment ---------------------------------------------------------------------------------
+FROZEN_NS = 3_000_000_000  # a heartbeat this far behind the job's newest one: the process stopped beating
+#                            (30 missed beats; a loaded host delays a beat by far less)
+DEATH_TIE_NS = 200_000_000  # without failures to order them, processes gone within this of the first went with it
+
+
+@dataclass
+class Liveness:
+    """Per rank, whether its process was alive at the end of the trace, and the time the job was observed.
+
+    Times are aligned (the clock alignment's timeline). ``frozen``: the process stopped running (stopped,
+    or wedged so that its heartbeat thread cannot run) while others went on; it waits for nothing, others
+    wait for it. ``crashed``: it is gone without closing its ring while others outlived it.
+    ``ended_together``: every process is gone, none closed its ring, and they went within moments of each
+    other: the job was ended as a whole (a time limit, a cancel), which names no culprit.
+    """
+
+    observed_ns: int | None = None  # the last moment any source saw the job (a heartbeat, this host's probe)
+    seen_ns: dict[int, int] = field(default_factory=dict)  # per rank: its last record or heartbeat, whichever later
+    frozen: dict[int, str] = field(default_factory=dict)  # rank -> evidence
+    crashed: dict[int, str] = field(default_factory=dict)  # rank -> evidence
+    ended_together: bool = False
+    alive: bool = False  # some process still ran when the trace was observed
+
+    def culprits(self) -> set[int]:
+        return set(self.frozen) | set(self.crashed)
+
+
+def _duration(ns: int) -> str:
+    from megatrace.analyze.words import duration
+
+    return duration(ns)
+
+
+def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dict[str, int],
+           last_activity: dict[int, int], probe: ProcessProbe | None, first_failure_ns: int | None = None) -> Liveness:
+    """Judge each rank from its heartbeat, this host's probe, and its ring's state (see :class:`Liveness`).
+
+    ``rank_offset_ns`` aligns each rank's monotonic clock (``infos`` order); ``last_activity`` is the
+    aligned time of each rank's last record; ``first_failure_ns`` the earliest failed call of any rank.
+    Of several processes gone, the ones that died first crashed: those last seen before the first call
+    failed anywhere (a death makes its peers' calls fail; a process seen alive after that died of its
+    consequences, e.g. killed by the launcher), else those gone within ``DEATH_TIE_NS`` of the first.
+    """
+    out = Liveness()
+    beats: dict[int, int] = {}
+    for info, off in zip(infos, rank_offset_ns, strict=True):
+        if info.heartbeat_ns > 0:
+            beats[info.rank] = info.heartbeat_ns + int(off)
+        seen = max(last_activity.get(info.rank, 0), beats.get(info.rank, 0))
+        if seen:
+            out.seen_ns[info.rank] = seen
+    states = probe.states if probe is not None else {}
+    probe_ns = probe.mono_ns + host_offset_ns[probe.host] if probe is not None and probe.host in host_offset_ns else None
+    out.alive = any(s in (RUNNING, STOPPED) for s in states.values()) \
+        or any(not i.closed_cleanly and i.rank not in states and i.rank in beats for i in infos)
+    candidates = [v for v in out.seen_ns.values()] + ([probe_ns] if probe_ns is not None and out.alive else [])
+    out.observed_ns = max(candidates) if candidates else None
+    if out.observed_ns is None:
+        return out
+    newest_beat = max(beats.values(), default=None)
+    by_rank = {i.rank: i for i in infos}
+    gone = []
+    for rank, info in by_rank.items():
+        if info.closed_cleanly:
+            continue
+        state = states.get(rank)
+        beat = beats.get(rank)
+        stale = beat is not None and out.observed_ns - beat > FROZEN_NS
+        if state == STOPPED:
+            out.frozen[rank] = f"its process (pid {info.pid}) is stopped (state T: SIGSTOP or a debugger)" + (
+                f"; its last heartbeat was {_duration(out.observed_ns - beat)} before the trace was read"
+                if beat is not None else "")
+        elif state == GONE:
+            gone.append(rank)
+        elif stale and (state == RUNNING or newest_beat is not None and newest_beat - beat > FROZEN_NS):
+            out.frozen[rank] = (f"its tracer's heartbeat stopped {_duration(out.observed_ns - beat)} before the "
+                                f"trace was read while " + ("its process still runs: the Python interpreter is "
+                                                            "wedged (a thread holds the GIL)" if state == RUNNING
+                                                            else "the other ranks' went on: its process stopped "
+                                                                 "running (stopped, wedged or killed)"))
+    if gone:
+        survivors = [r for r, i in by_rank.items() if i.closed_cleanly or states.get(r) in (RUNNING, STOPPED)
+                     or (r not in states and r in beats and out.observed_ns - beats[r] <= FROZEN_NS)]
+        seen = {r: out.seen_ns.get(r, out.observed_ns) for r in gone}
+        first = min(seen.values())
+        spread = max(seen.values()) - first
+        before_failure = [r for r in gone if first_failure_ns is not None and seen[r] <= first_failure_ns]
+        if not survivors and spread <= FROZEN_NS and len(gone) == len(by_rank) and not before_failure:
+            out.ended_together = True
+        else:
+            for r in before_failure or gone:
+                if before_failure or seen[r] - first <= DEATH_TIE_NS:
+                    out.crashed[r] = (f"its process (pid {by_rank[r].pid}) is gone and its ring was never closed "
+                                      "(killed, or died without unwinding)"
+                                      + (f", while ranks {sorted(survivors)[:8]} outlived it" if survivors else ""))
+    return out

@@ -1,0 +1,86 @@
+"""Liveness: real processes of this host in each state, and the judgement over heartbeats and ring states."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatrace.analyze.liveness import (FROZEN_NS, GONE, RUNNING, STOPPED, ProcessProbe, assess, process_state)
+from megatrace.analyze.traceset import RankInfo
+
+S = 1_000_000_000
+
+
+def _info(rank: int, *, closed: bool = False, beat: int = 0, pid: int = 0, host: str = "h") -> RankInfo:
+    return RankInfo(rank, host, rank, pid, f"rank-{rank}.ring", "job", "", closed, 10, 0, 0, 0, 0, heartbeat_ns=beat)
+
+
+def test_process_state_of_a_running_a_stopped_and_a_gone_process() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        created = time.monotonic_ns()
+        assert process_state(proc.pid, created) == RUNNING
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while process_state(proc.pid, created) != STOPPED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert process_state(proc.pid, created) == STOPPED
+        os.kill(proc.pid, signal.SIGCONT)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_state(proc.pid, created) == GONE
+
+
+def test_a_pid_younger_than_its_ring_is_not_the_writer() -> None:
+    """A recycled pid: the process now holding it started long after the ring was created."""
+    assert process_state(os.getpid(), ring_created_mono_ns=0) == GONE
+    assert process_state(os.getpid(), ring_created_mono_ns=time.monotonic_ns()) == RUNNING
+
+
+def test_a_rank_whose_heartbeat_stopped_while_the_others_beat_is_frozen() -> None:
+    infos = [_info(0, beat=100 * S), _info(1, beat=100 * S - FROZEN_NS - S), _info(2, beat=100 * S)]
+    live = assess(infos, [0, 0, 0], {"h": 0}, {0: 99 * S, 1: 95 * S, 2: 99 * S}, None)
+    assert set(live.frozen) == {1} and not live.crashed and live.observed_ns == 100 * S
+
+
+def test_a_heartbeat_a_moment_late_is_no_stop() -> None:
+    infos = [_info(0, beat=100 * S), _info(1, beat=100 * S - FROZEN_NS // 2)]
+    live = assess(infos, [0, 0], {"h": 0}, {0: 99 * S, 1: 99 * S}, None)
+    assert not live.culprits()
+
+
+def test_a_stopped_process_is_frozen_and_a_running_one_without_beats_is_wedged() -> None:
+    infos = [_info(0, beat=100 * S), _info(1, beat=100 * S), _info(2, beat=90 * S)]
+    probe = ProcessProbe("h", 100 * S, {0: RUNNING, 1: STOPPED, 2: RUNNING})
+    live = assess(infos, [0, 0, 0], {"h": 0}, {0: 99 * S, 1: 99 * S, 2: 89 * S}, probe)
+    assert "state T" in live.frozen[1] and "wedged" in live.frozen[2] and 0 not in live.frozen
+
+
+def test_the_first_process_gone_before_any_call_failed_crashed_not_those_killed_after() -> None:
+    infos = [_info(0, beat=101 * S), _info(1, closed=True, beat=101 * S), _info(2, beat=100 * S),
+             _info(3, beat=101 * S)]
+    probe = ProcessProbe("h", 200 * S, {0: GONE, 2: GONE, 3: GONE})
+    seen = {0: 100 * S, 1: 101 * S, 2: 100 * S, 3: 100 * S}
+    live = assess(infos, [0] * 4, {"h": 0}, seen, probe, first_failure_ns=100 * S + S // 2)
+    assert set(live.crashed) == {2} and "outlived" in live.crashed[2]
+
+
+def test_processes_all_gone_at_once_with_no_ring_closed_ended_together() -> None:
+    infos = [_info(r, beat=100 * S + r * 1000) for r in range(4)]
+    probe = ProcessProbe("h", 200 * S, {r: GONE for r in range(4)})
+    live = assess(infos, [0] * 4, {"h": 0}, {r: 99 * S for r in range(4)}, probe)
+    assert live.ended_together and not live.culprits() and not live.alive
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_ring_without_heartbeat_or_probe_names_nobody(closed: bool) -> None:
+    """Imported traces and the NCCL interposer's rings carry no heartbeat: nothing is guessed."""
+    infos = [_info(0, closed=closed), _info(1)]
+    live = assess(infos, [0, 0], {"h": 0}, {0: 5 * S, 1: 9 * S}, None)
+    assert not live.culprits() and not live.ended_together and live.observed_ns == 9 * S

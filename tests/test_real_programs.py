@@ -1,0 +1,182 @@
+"""Plain PyTorch programs (tests/programs/, nothing of MegaTrace in them) under torchrun, faults from outside.
+
+Each program is traced only by the environment (``MEGATRACE_ENABLE=1``); faults are what an incident
+does to a process: SIGSTOP, SIGKILL, the whole job killed at once. ``megatrace analyze`` then runs on
+the rings, live (while the fault holds) or after the end, as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatrace.analyze.engine import analyze
+from megatrace.analyze.findings import Kind, Severity
+from megatrace.trace.ring_reader import read_ring
+
+pytest.importorskip("torch")
+
+PROGRAMS = Path(__file__).with_name("programs")
+DDP = PROGRAMS / "ddp_reduce_loop.py"
+PLAYER = PROGRAMS / "player_trainers.py"
+WORLD = 4
+HANG_KINDS = {Kind.COMPUTE_HANG, Kind.COMM_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.DEADLOCK,
+              Kind.POSSIBLE_HANG, Kind.PARTIAL_STOP, Kind.NO_TRACE}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """A torchrun job of one program, traced into ``out/rings``."""
+
+    def __init__(self, program: Path, out: Path, *args: str) -> None:
+        self.rings = out / "rings"
+        env = dict(os.environ, MEGATRACE_ENABLE="1", MEGATRACE_DIR=str(self.rings), MEGATRACE_JOB_ID="real",
+                   PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+        self.log = (out / "job.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-addr",
+             "127.0.0.1", "--master-port", str(_free_port()), str(program), *args],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def pid(self, rank: int, warm_records: int = 40, timeout: float = 120) -> int:
+        """The pid of ``rank`` once every rank has recorded ``warm_records`` calls (training is under way)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                snaps = [read_ring(self.rings / f"rank-{r:05d}.ring") for r in range(WORLD)]
+                if all(s.header.write_counter >= warm_records for s in snaps):
+                    return snaps[rank].header.pid
+            except (OSError, ValueError):
+                pass
+            assert self.proc.poll() is None, (self.rings.parent / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        raise AssertionError(f"the job did not warm up in {timeout} s")
+
+    def worker_pids(self) -> list[int]:
+        """The ranks' processes (torchrun starts each in a session of its own), from their ring headers."""
+        pids = []
+        for path in sorted(self.rings.glob("rank-*.ring")):
+            try:
+                pid = read_ring(path).header.pid
+            except (OSError, ValueError):
+                continue
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().find(b"tests/programs/") >= 0:
+                    pids.append(pid)
+            except OSError:
+                pass
+        return pids
+
+    def kill_all(self) -> None:
+        """SIGKILL the launcher and every rank at once (a time limit, a cancel)."""
+        for pid in [self.proc.pid, *self.worker_pids()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float = 180) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None or self.worker_pids():
+            self.kill_all()
+            self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+
+
+@pytest.fixture
+def jobs():
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.stop()
+
+
+def _top(rings: Path):
+    result = analyze(rings)
+    return result, result.findings[0]
+
+
+def test_a_healthy_ddp_script_is_healthy(tmp_path: Path, jobs: list[Job]) -> None:
+    job = Job(DDP, tmp_path, "--iterations", "30")
+    jobs.append(job)
+    assert job.wait() == 0
+    result, top = _top(job.rings)
+    assert top.kind == Kind.HEALTHY, top.verdict
+    assert not [f for f in result.findings if f.kind in HANG_KINDS]
+    # DDP's gradient all-reduces are in the trace: 4 backward passes per iteration, one bucket each or more.
+    assert result.match.summary()["collective_instances"] >= 30 * 5
+
+
+@pytest.mark.parametrize("program", [DDP, PLAYER], ids=["ddp", "player-trainers"])
+def test_a_stopped_rank_is_named_while_it_hangs(program: Path, tmp_path: Path, jobs: list[Job]) -> None:
+    job = Job(program, tmp_path, "--iterations", "100000", "--seconds", "120")
+    jobs.append(job)
+    pid = job.pid(2)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(4)
+        result, top = _top(job.rings)  # live: the job hangs while we look
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert top.kind == Kind.COMPUTE_HANG and top.subject.rank == 2, top.verdict
+    assert top.severity == Severity.CRITICAL and "stopped running" in top.verdict
+    assert "GPU" not in top.verdict and top.subject.local_rank is None  # a gloo job on CPUs: no GPU to name
+    assert any("state T" in str(e) for e in top.evidence), top.evidence
+    partial = [f for f in result.findings if f.kind == Kind.PARTIAL_STOP]
+    assert not partial or 2 not in partial[0].subject.ranks
+
+
+@pytest.mark.parametrize("program", [DDP, PLAYER], ids=["ddp", "player-trainers"])
+def test_a_killed_rank_is_the_crashed_process(program: Path, tmp_path: Path, jobs: list[Job]) -> None:
+    job = Job(program, tmp_path, "--iterations", "100000", "--seconds", "120")
+    jobs.append(job)
+    os.kill(job.pid(2), signal.SIGKILL)
+    assert job.wait() != 0
+    _, top = _top(job.rings)
+    assert top.kind == Kind.CRASHED_PROCESS and top.subject.rank == 2, top.verdict
+    assert top.severity == Severity.CRITICAL
+
+
+def test_a_job_killed_as_a_whole_is_no_hang(tmp_path: Path, jobs: list[Job]) -> None:
+    """A time limit or a cancel: every rank killed at the same moment while training ran normally."""
+    job = Job(DDP, tmp_path, "--iterations", "100000", "--seconds", "120")
+    jobs.append(job)
+    job.pid(0, warm_records=200)
+    job.kill_all()
+    job.wait()
+    result, top = _top(job.rings)
+    assert top.kind == Kind.HEALTHY and "ended as a whole" in top.verdict, top.verdict
+    assert not result.at_least(Severity.WARNING), [f.verdict for f in result.at_least(Severity.WARNING)]
+
+
+def test_a_live_job_silent_everywhere_is_a_stall_not_healthy(tmp_path: Path, jobs: list[Job]) -> None:
+    job = Job(PLAYER, tmp_path, "--iterations", "100000", "--seconds", "120", "--pause-at", "30", "--pause-s", "60")
+    jobs.append(job)
+    job.pid(0, warm_records=60)
+    deadline = time.monotonic() + 90
+    stall = None
+    while time.monotonic() < deadline and stall is None:  # the pause starts at iteration 30
+        time.sleep(2)
+        result, top = _top(job.rings)
+        stall = top if top.kind == Kind.STALL else None
+    assert stall is not None, top.verdict
+    assert stall.severity == Severity.WARNING and "alive" in stall.verdict
+    assert not [f for f in result.findings if f.kind == Kind.HEALTHY]
