@@ -13,9 +13,14 @@ import click
 
 from megatrace import __version__
 from megatrace.config import ORDERS
+from megatrace.demo.engines import DEFAULT_ENGINE, ENGINES
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 TRACE_FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector")  # = analyze.importers.FORMATS
+
+
+_ENGINES_HELP = "\b\nEngines (--engine; the sizes each one takes in brackets):\n" + "".join(
+    f"  {e.name:<9} {e.summary} [{' '.join(e.sizes)}]\n" for e in ENGINES.values()) + "\n"
 
 
 class MegatraceError(click.ClickException):
@@ -64,8 +69,8 @@ def run(trace_dir: str | None, ring_records: int, command: tuple[str, ...]) -> N
         raise MegatraceError(f"cannot run {command[0]!r}: {exc.strerror}") from None
 
 
-@main.command(context_settings=CONTEXT_SETTINGS, epilog="""\b
-Fault specs (steps count from 0):
+@main.command(context_settings=CONTEXT_SETTINGS, epilog=_ENGINES_HELP + """\b
+Fault specs (steps count from 0; slowlink: 3d and pipeline only):
   hang:rank=R,step=S[,phase=forward|backward|optimizer]   rank stops before its next collective
   commhang:rank=R,step=S                                   rank enters a collective, never returns
   slow:rank=R,factor=F[,from_step=S]                       rank computes F times slower
@@ -76,17 +81,24 @@ Examples:
   megatrace demo
   megatrace demo --ranks 8 --tp 2 --pp 2 --steps 20 --fault hang:rank=5,step=3 -o /tmp/demo
   megatrace demo --ranks 4 --tp 1 --pp 2 --fault slowlink:ranks=0-2,delay_ms=50
+  megatrace demo --engine ddp --ranks 4 --fault commhang:rank=2,step=5
+  megatrace demo --engine tp --ranks 4 --tp 2 --fault slow:rank=1,factor=3
+  megatrace demo --engine pipeline --ranks 4 --microbatches 8 --fault hang:rank=2,step=3,phase=backward
 """)
-@click.option("--ranks", type=click.IntRange(1), default=None, help="World size [default: 8, or tp*pp*dp].")
-@click.option("--tp", type=click.IntRange(1), default=2, show_default=True, help="Tensor-parallel size.")
-@click.option("--pp", type=click.IntRange(1), default=2, show_default=True, help="Pipeline-parallel size.")
+@click.option("--engine", type=click.Choice(list(ENGINES)), default=DEFAULT_ENGINE, show_default=True,
+              help="The parallel API that trains the model (see below).")
+@click.option("--ranks", type=click.IntRange(1), default=None,
+              help="World size [default: 8 for 3d, else 4; or the product of the sizes given].")
+@click.option("--tp", type=click.IntRange(1), default=None, help="Tensor-parallel size (3d, tp) [default: 2].")
+@click.option("--pp", type=click.IntRange(1), default=None,
+              help="Pipeline-parallel size (3d [default: 2]; pipeline: the world size).")
 @click.option("--dp", type=click.IntRange(1), default=None, help="Data-parallel size [default: ranks/(tp*pp)].")
 @click.option("--order", type=click.Choice(ORDERS),
               default="tp-dp-pp", show_default=True,
-              help="Rank order, fastest-varying dimension first (tp-dp-pp is Megatron-LM's default).")
+              help="Rank order of the 3d engine, fastest-varying dimension first (Megatron-LM's default).")
 @click.option("--steps", type=click.IntRange(1), default=20, show_default=True, help="Training steps.")
-@click.option("--microbatches", type=click.IntRange(1), default=4, show_default=True,
-              help="Microbatches per step (1F1B pipeline schedule).")
+@click.option("--microbatches", type=click.IntRange(1), default=None,
+              help="Microbatches per step of the 1F1B schedule (3d, pipeline) [default: 4].")
 @click.option("--fault", "faults", multiple=True, metavar="SPEC", help="Inject a fault (repeatable; see below).")
 @click.option("-o", "--out", type=click.Path(file_okay=False), default=None,
               help="Output directory [default: ./megatrace-demo-<timestamp>].")
@@ -95,19 +107,20 @@ Examples:
 @click.option("--compute-ms", type=click.FloatRange(0), default=2.0, show_default=True,
               help="Compute padding per forward (backward: twice this).")
 @click.option("--dp-mode", type=click.Choice(["allreduce", "reduce-scatter"]), default="allreduce",
-              show_default=True, help="Gradient averaging over the DP group.")
+              show_default=True, help="Gradient averaging over the DP group (3d).")
 @click.option("--stall-timeout", type=click.FloatRange(0.5), default=10.0, show_default=True,
               help="Kill every rank after this many seconds without progress.")
 @click.option("--deadline", type=click.FloatRange(1), default=None,
               help="Kill every rank after this many seconds [default: 60 + 2 per step].")
-def demo(ranks: int | None, tp: int, pp: int, dp: int | None, order: str, steps: int, microbatches: int,
-         faults: tuple[str, ...], out: str | None, no_trace: bool, markers: bool, compute_ms: float,
-         dp_mode: str, stall_timeout: float, deadline: float | None) -> None:
-    """Run the built-in 3D-parallel training job on this host, optionally with injected faults.
+def demo(engine: str, ranks: int | None, tp: int | None, pp: int | None, dp: int | None, order: str, steps: int,
+         microbatches: int | None, faults: tuple[str, ...], out: str | None, no_trace: bool, markers: bool,
+         compute_ms: float, dp_mode: str, stall_timeout: float, deadline: float | None) -> None:
+    """Run a built-in parallel training job on this host, optionally with injected faults.
 
-    A real TP x PP x DP training loop on torch gloo (CPU), one process per rank,
-    traced like any other job. A hung run is killed after --stall-timeout seconds
-    without progress. Exits 0 when the run succeeds or a fault was injected.
+    A real training loop on torch gloo (CPU), one process per rank, traced like any
+    other job: the hand-written 3D job, or PyTorch's own DDP, FSDP2, DTensor tensor
+    parallelism or pipelining (--engine). A hung run is killed after --stall-timeout
+    seconds without progress. Exits 0 when the run succeeds or a fault was injected.
     """
     from pathlib import Path
 
@@ -115,21 +128,16 @@ def demo(ranks: int | None, tp: int, pp: int, dp: int | None, order: str, steps:
     from megatrace.demo.faults import FaultError
     from megatrace.demo.launcher import DemoOptions, build_layout, default_out_dir, run_local, summary_lines
 
-    if dp is None:
-        world = 8 if ranks is None else ranks
-        if world % (tp * pp):
-            raise click.BadParameter(f"{world} ranks are not divisible by tp*pp = {tp * pp}", param_hint="--ranks")
-        dp = world // (tp * pp)
-    elif ranks is not None and ranks != tp * pp * dp:
-        raise click.BadParameter(f"{ranks} != tp*pp*dp = {tp}*{pp}*{dp}", param_hint="--ranks")
-    opts = DemoOptions(tp=tp, pp=pp, dp=dp, order=order, steps=steps, microbatches=microbatches, faults=faults,
-                       out=Path(out) if out else default_out_dir(), trace=not no_trace, markers=markers,
-                       compute_ms=compute_ms, dp_mode=dp_mode, stall_s=stall_timeout, deadline_s=deadline)
+    opts = DemoOptions(engine=engine, ranks=ranks, tp=tp, pp=pp, dp=dp, order=order, steps=steps,
+                       microbatches=microbatches, faults=faults, out=Path(out) if out else default_out_dir(),
+                       trace=not no_trace, markers=markers, compute_ms=compute_ms, dp_mode=dp_mode,
+                       stall_s=stall_timeout, deadline_s=deadline)
     try:
-        build_layout(opts)
+        layout = build_layout(opts)
     except (LayoutError, FaultError) as exc:
         raise MegatraceError(str(exc)) from None
-    click.echo(f"demo: {tp * pp * dp} ranks (TP{tp} x PP{pp} x DP{dp}), {steps} steps -> {opts.out}", err=True)
+    click.echo(f"demo: {engine} engine, {layout.world_size} ranks (TP{layout.tp} x PP{layout.pp} x DP{layout.dp}), "
+               f"{steps} steps -> {opts.out}", err=True)
     result = run_local(opts, log=lambda msg: click.echo(msg, err=True))
     click.echo("\n".join(summary_lines(result)))
     if not result.ok and not faults:

@@ -230,6 +230,15 @@ def test_slowlink_delays_arrivals_on_that_link_only(tmp_path: Path) -> None:
     (["--fault", "slowlink:ranks=0-1,delay_ms=5"], "not adjacent stages"),
     (["--ranks", "6"], "--ranks"),
     (["--ranks", "8", "--dp", "3"], "--ranks"),
+    (["--engine", "ddp", "--tp", "2"], "the ddp engine has no --tp"),
+    (["--engine", "fsdp", "--microbatches", "4"], "--microbatches does not apply"),
+    (["--engine", "tp", "--ranks", "3"], "3 ranks (--ranks) are not divisible by tp*pp = 2*1 = 2"),
+    (["--engine", "pipeline", "--ranks", "8"], "Schedule1F1B needs at least as many microbatches as stages"),
+    (["--engine", "pipeline", "--ranks", "4", "--pp", "2"], "one stage per rank"),
+    (["--engine", "ddp", "--fault", "slowlink:ranks=0-1,delay_ms=5"], "the ddp engine cannot inject slowlink"),
+    (["--engine", "tp", "--dp-mode", "reduce-scatter"], "only the 3d engine has a --dp-mode"),
+    (["--engine", "ddp", "--fault", "hang:rank=4,step=1"], "rank 4 is outside the world of 4 ranks"),
+    (["--engine", "mpi"], "'mpi' is not one of"),
 ])
 def test_cli_rejects_bad_input_before_starting(tmp_path: Path, args: list[str], message: str) -> None:
     out = tmp_path / "out"

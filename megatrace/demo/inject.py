@@ -6,7 +6,10 @@ their own sits in front of the c10d operators' CPU kernels (``torch.library``, k
 the original), registered before the process group exists. The tracer's dispatcher
 hook, installed when the process group is created, then sits in front of it, so the
 call is recorded as entered on time and hangs, or is late, inside the backend, as a
-stuck network would make it.
+stuck network would make it. That holds whoever issues the call: the demo, DDP's reducer,
+FSDP, DTensor or pipelining. A rank with a slow link also posts the receives of each
+``batch_isend_irecv`` before its sends (as the 3D demo's own batches do; torch's pipelining
+lists the sends first), so that a late send does not hold up the sender's own receives.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from megatrace.demo.faults import (CommHangFault, CrashFault, FaultSpec, HangFau
 COLLECTIVE_OPS = ("allreduce_", "allreduce_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
                   "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "reduce_scatter_")
 SEND_OP = "send"
+P2P_OPS = (SEND_OP, "recv_")
 
 
 def _say(message: str) -> None:
@@ -41,8 +45,12 @@ def block_forever() -> None:
 class FaultInjector:
     """The faults that concern one rank, driven by the training loop's step and phase notifications."""
 
-    def __init__(self, faults: list[FaultSpec], rank: int, layout: Layout) -> None:
+    def __init__(self, faults: list[FaultSpec], rank: int, layout: Layout,
+                 commhang_ops: tuple[str, ...] = COLLECTIVE_OPS) -> None:
+        """``commhang_ops``: the c10d operators a commhang stops in (an engine whose only traffic is
+        point-to-point adds :data:`P2P_OPS`)."""
         self.rank = rank
+        self.commhang_ops = commhang_ops
         self.layout = layout
         self.faults = [f for f in faults
                        if (rank in f.ranks if isinstance(f, SlowLinkFault) else f.rank == rank)]
@@ -58,10 +66,11 @@ class FaultInjector:
         for fault in self.faults:
             if isinstance(fault, CommHangFault):
                 self._commhang_from = fault.step
-                for op in COLLECTIVE_OPS:
+                for op in self.commhang_ops:
                     self._wrap_kernel(op, self._commhang_kernel)
             elif isinstance(fault, SlowLinkFault):
                 self._wrap_kernel(SEND_OP, partial(self._slowlink_kernel, fault))
+                _receives_first()
 
     def start_step(self, step: int) -> None:
         self.step, self.phase = step, ""
@@ -126,8 +135,33 @@ class FaultInjector:
     def _slowlink_kernel(self, fault: SlowLinkFault, op: str, args: tuple) -> None:
         other = fault.ranks[1] if fault.ranks[0] == self.rank else fault.ranks[0]
         dst = int(args[2])  # c10d::send(Tensor[] tensors, ProcessGroup process_group, int dst, int tag)
-        if _group_desc(args) == "pp" and self.layout.group_of("pp", self.rank)[dst] == other:
+        if _global_rank(args, dst) == other:
             time.sleep(fault.delay_ms / 1000.0)
+
+
+def _global_rank(args: tuple, group_rank: int) -> int | None:
+    """The global rank of ``group_rank`` in the process group of a c10d operator's call (None if unknown)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup
+
+    try:
+        return dist.get_global_rank(ProcessGroup.unbox(args[1]), group_rank)
+    except Exception:  # noqa: BLE001 - a group torch.distributed does not know: not the link
+        return None
+
+
+def _receives_first() -> None:
+    """Make ``dist.batch_isend_irecv`` post a batch's receives before its sends (gloo runs them as listed)."""
+    import torch.distributed as dist
+
+    orig = dist.batch_isend_irecv
+
+    def batch_isend_irecv(p2p_op_list: list[Any]) -> Any:
+        ops = sorted(p2p_op_list, key=lambda op: getattr(op.op, "__name__", "") != "irecv")  # stable
+        return orig(ops)
+
+    batch_isend_irecv.__doc__ = orig.__doc__
+    dist.batch_isend_irecv = batch_isend_irecv
 
 
 def _group_desc(args: tuple) -> str:

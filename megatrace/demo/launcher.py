@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from megatrace.config import Layout, RankPlacement, save_layout
+from megatrace.config import Layout, LayoutError, RankPlacement, save_layout
+from megatrace.demo.engines import DEFAULT_ENGINE, check_engine_fault, engine_layout, get_engine
 from megatrace.demo.faults import format_fault, parse_fault, validate_fault, write_fault_json
 from megatrace.schedule import DP_MODES
 
@@ -34,12 +35,16 @@ KILL_WAIT_S = 1.0
 
 @dataclass(frozen=True)
 class DemoOptions:
-    tp: int = 2
-    pp: int = 2
-    dp: int = 2
-    order: str = "tp-dp-pp"  # rank order (megatrace.config.ORDERS); Megatron-LM's default first
+    """What ``megatrace demo`` runs; a size left None takes the engine's default (3d: TP2 x PP2 x DP2)."""
+
+    engine: str = DEFAULT_ENGINE  # megatrace.demo.engines.ENGINES
+    ranks: int | None = None  # the world size; default: the product of the sizes, else the engine's
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    order: str = "tp-dp-pp"  # rank order (megatrace.config.ORDERS, 3d only); Megatron-LM's default first
     steps: int = 20
-    microbatches: int = 4
+    microbatches: int | None = None  # 3d and pipeline: default 4
     layers_per_stage: int = 2
     faults: tuple[str, ...] = ()
     out: Path | None = None
@@ -85,13 +90,17 @@ def build_layout(opts: DemoOptions) -> Layout:
         raise ValueError(f"steps must be a positive integer, got {opts.steps}")
     if opts.dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode {opts.dp_mode!r} is not one of {', '.join(DP_MODES)}")
-    layout = Layout(world_size=opts.tp * opts.pp * opts.dp, tp=opts.tp, pp=opts.pp, dp=opts.dp,
-                    microbatches=opts.microbatches, order=opts.order,
-                    layers_per_stage=opts.layers_per_stage).validate()
+    for name, value, default in (("dp-mode", opts.dp_mode, "allreduce"), ("order", opts.order, "tp-dp-pp")):
+        if value != default and opts.engine != "3d":
+            raise LayoutError(f"--{name} {value}: only the 3d engine has a --{name}")
+    layout = engine_layout(opts.engine, opts.ranks, tp=opts.tp, pp=opts.pp, dp=opts.dp, microbatches=opts.microbatches,
+                           layers_per_stage=opts.layers_per_stage, order=opts.order)
     host = socket.gethostname()
     layout = dataclasses.replace(layout, ranks={r: RankPlacement(host, r) for r in range(layout.world_size)})
     for spec in opts.faults:
-        validate_fault(parse_fault(spec), layout, opts.steps, text=spec)
+        fault = parse_fault(spec)
+        check_engine_fault(opts.engine, fault, text=spec)
+        validate_fault(fault, layout, opts.steps, text=spec)
     return layout
 
 
@@ -101,11 +110,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_argv(opts: DemoOptions, out: Path) -> list[str]:
-    argv = [sys.executable, "-m", "megatrace.demo", "--tp", str(opts.tp), "--pp", str(opts.pp),
-            "--dp", str(opts.dp), "--order", opts.order, "--steps", str(opts.steps), "--microbatches", str(opts.microbatches),
+def _worker_argv(opts: DemoOptions, layout: Layout, out: Path) -> list[str]:
+    argv = [sys.executable, "-m", "megatrace.demo", "--engine", opts.engine, "--steps", str(opts.steps),
             "--layers-per-stage", str(opts.layers_per_stage), "--compute-ms", str(opts.compute_ms),
-            "--dp-mode", opts.dp_mode, "--comm-timeout", str(opts.deadline + 60.0), "-o", str(out)]
+            "--comm-timeout", str(opts.deadline + 60.0), "-o", str(out)]
+    engine = get_engine(opts.engine)
+    argv += [a for size in engine.sizes for a in (f"--{size}", str(getattr(layout, size)))]
+    if engine.microbatches:
+        argv += ["--microbatches", str(layout.microbatches)]
+    if opts.engine == "3d":
+        argv += ["--order", opts.order, "--dp-mode", opts.dp_mode]
     for spec in opts.faults:
         argv += ["--fault", format_fault(parse_fault(spec))]
     return argv + (["--markers"] if opts.markers else [])
@@ -192,9 +206,10 @@ def _watch(opts: DemoOptions, procs: dict[int, subprocess.Popen], logs: Path, ki
         beating, done, latest = _last_progress(logs, world)
         if armed_at is None and len(beating | {r for r, c in codes.items() if c is not None}) == world:
             armed_at = now  # every rank is past startup: from now on, silence means a hang
-        if {r for r, c in codes.items() if c is None} <= done:
-            # Every rank still running has finished training and is tearing down: on a loaded
-            # machine torch's exit can outlast the stall timeout; only the deadline applies.
+        if {r for r, c in codes.items() if c is None} <= done or first_failure is not None:
+            # Every rank still running has finished training and is tearing down (on a loaded
+            # machine torch's exit can outlast the stall timeout), or a rank has failed and the
+            # others have their grace period to fail too: the run is not a stall.
             time.sleep(POLL_S)
             continue
         if armed_at is not None and now - max(armed_at, latest - wall_offset) > opts.stall_s:
@@ -220,7 +235,7 @@ def default_out_dir() -> Path:
 
 
 def run_local(opts: DemoOptions, log: Callable[[str], None] | None = None) -> DemoResult:
-    """Validate, start ``tp*pp*dp`` workers on this host, watch them, and record what happened."""
+    """Validate, start one worker per rank of the engine's layout on this host, watch them, record what happened."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     layout = build_layout(opts)
     out = (opts.out or default_out_dir()).resolve()
@@ -233,7 +248,7 @@ def run_local(opts: DemoOptions, log: Callable[[str], None] | None = None) -> De
     save_layout(layout, out / "layout.yaml")
     write_fault_json(out / "fault.json", [parse_fault(s) for s in opts.faults])
     port = _free_port()
-    argv = _worker_argv(opts, out)
+    argv = _worker_argv(opts, layout, out)
     procs: dict[int, subprocess.Popen] = {}
     killed: set[int] = set()
     try:

@@ -22,6 +22,7 @@ FFN = 4 * HIDDEN
 MICRO_BATCH = 16
 TEACHER_SEED = 7
 LAYER_SEED = 1000
+LR = 0.1  # the momentum SGD's learning rate, every engine
 
 
 class _CopyToTP(torch.autograd.Function):
