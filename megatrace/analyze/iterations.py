@@ -104,8 +104,8 @@ def group_roles(trace: TraceSet, ix: RecordIndex, layout: Layout | None) -> np.n
         g = trace.groups[int(gid)]
         if len(g.ranks) < 2:
             continue
-        if g.desc in by_desc:
-            out[k] = by_desc[g.desc]
+        if g.dim in by_desc:
+            out[k] = by_desc[g.dim]
         elif (not g.named or g.desc == "default_pg") and layout is not None and max(g.ranks) < layout.world_size:
             for kind in ("tp", "pp", "dp"):
                 if list(g.ranks) == layout.group_of(kind, g.ranks[0]):

@@ -81,6 +81,11 @@ class GroupInfo:
         return self.desc not in UNNAMED_DESCS
 
     @property
+    def dim(self) -> str:
+        """The parallel dimension the description names: ``tp`` for "tp" and for a DeviceMesh's "mesh_tp"."""
+        return self.desc.removeprefix("mesh_")
+
+    @property
     def kind(self) -> str:
         """A short name: the description (tp, pp, dp, world), else the group's members."""
         if self.desc == "default_pg":

@@ -30,8 +30,10 @@ LAYOUT_NAMES = ("tp", "dp", "pp")  # what a megatrace.config.Layout can express
 DEFAULT_ORDER = ("tp", "dp", "pp")  # Megatron-LM's default, fastest first
 # Words in a group description that name its dimension (lower case; a description naming two is a
 # combined group such as Megatron-LM's TENSOR_AND_DATA_PARALLEL_GROUP and gives no hint).
-DESC_HINTS = {"tp": re.compile(r"^tp$|tensor"), "pp": re.compile(r"^pp$|pipe"), "cp": re.compile(r"^cp$|context"),
-              "ep": re.compile(r"^ep$|expert"), "dp": re.compile(r"^dp$|data")}
+# (torch's DeviceMesh describes its groups "mesh_<dim name>")
+DESC_HINTS = {"tp": re.compile(r"^(mesh_)?tp$|tensor"), "pp": re.compile(r"^(mesh_)?pp$|pipe"),
+              "cp": re.compile(r"^(mesh_)?cp$|context"),
+              "ep": re.compile(r"^(mesh_)?ep$|expert"), "dp": re.compile(r"^(mesh_)?dp$|data")}
 
 
 @dataclass(frozen=True)
