@@ -151,6 +151,8 @@ def test_unreadable_linked_and_corrupt_inputs_are_reported_and_never_crash_the_c
     secret = tmp_path / "secret"
     secret.write_text("root only")
     os.symlink(secret, base / "n3" / "rank-00010.meta.jsonl")
+    if os.geteuid() == 0:  # another user's link (root's own links are followed)
+        os.lchown(base / "n3" / "rank-00010.meta.jsonl", 4242, 4242)
     proc = _mpiexec(base, job, ["--timeout", "20"])
     assert proc.returncode in (0, 9) or "Traceback" not in proc.stderr, proc.stderr
     bundle = job / "megatrace-77"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrace.files import UnsafePathError, private_dir, read_input, write_atomic
+from megatrace.files import write_atomic
 
 OTHER_UID = 4242
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making another user's files needs root")
@@ -79,6 +79,8 @@ def test_another_users_fifo_or_link_to_a_device_is_replaced_not_written_into(tmp
 
 @needs_root
 def test_inputs_are_regular_files_reached_without_another_users_link(tmp_path: Path) -> None:
+    from megatrace.files import UnsafePathError, read_input
+
     secret = tmp_path / "secret"
     secret.write_text("root's first line\n")
     secret.chmod(0o600)
@@ -100,6 +102,8 @@ def _symlink(link: Path, target: Path) -> Path:
 
 
 def test_a_private_directory_is_made_0700_and_its_parents_too(tmp_path: Path) -> None:
+    from megatrace.files import UnsafePathError, private_dir
+
     old = os.umask(0)
     try:
         os.close(private_dir(tmp_path / "x" / "y"))

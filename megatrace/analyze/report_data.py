@@ -57,6 +57,7 @@ def _ranks(trace: TraceSet, hang: Any) -> dict[str, Any]:
     names: list[str] = []
     name_ix: dict[str, int] = {}
     status = hang.status if hang is not None else {}
+    missing = set(trace.missing_ranks)  # a tuple: `in` on it per rank was quadratic in the world size
     for r in range(trace.world_size):
         h = trace.host_of(r)
         if h is None:
@@ -68,7 +69,7 @@ def _ranks(trace: TraceSet, hang: Any) -> dict[str, Any]:
         g = trace.local_rank_of(r)
         gpu_col.append(-1 if g is None else int(g))
         s = status.get(r)
-        s = "missing" if r in trace.missing_ranks else (s.value if s is not None else "unknown")
+        s = "missing" if r in missing else (s.value if s is not None else "unknown")
         if s not in name_ix:
             name_ix[s] = len(names)
             names.append(s)
