@@ -23,6 +23,8 @@ import numpy as np
 
 from megatrace.analyze.index import op_name
 from megatrace.analyze.traceset import TraceSet
+from megatrace.redact import redact_argv
+from megatrace.trace.environment import filter_env
 from megatrace.trace.ring_format import Op, State
 
 REPORT_DATA_VERSION = 1
@@ -197,6 +199,10 @@ def _job(trace: TraceSet) -> dict[str, Any]:
                 for key in ("argv", "torch", "backend"):
                     if entry.get(key):
                         out[key] = entry[key]
+                if isinstance(out.get("argv"), list):
+                    out["argv"] = redact_argv(out["argv"])
             elif entry.get("kind") == "env" and isinstance(entry.get("vars"), dict):
-                out["env"] = {k: str(v) for k, v in sorted(entry["vars"].items()) if k.startswith(JOB_ENV_PREFIXES)}
+                # filter_env again: a trace written by an older tracer (or by hand) may hold credentials
+                out["env"] = {k: v for k, v in sorted(filter_env(entry["vars"]).items())
+                              if k.startswith(JOB_ENV_PREFIXES)}
     return out
