@@ -17,7 +17,8 @@
  * task_exit:     (root, per task) the task's exit status, appended to a
  *                root-owned file in run_dir that the epilog hands to the report.
  */
-#define _GNU_SOURCE /* renameat2 */
+#define _GNU_SOURCE /* renameat2, RTLD_DEFAULT */
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -161,6 +162,41 @@ static void node_name(spank_t sp, char *node, size_t len)
 		mt_snprintf(node, len, "node");
 }
 
+/* This node's name in a root hook before the tasks. slurmstepd sets SLURMD_NODENAME only just before
+ * task_init (a value in the job's environment now is the batch script's, of another node), so take the
+ * step's node list (SLURM_STEP_NODELIST, set by srun; the job's for the batch step) at this node's index
+ * (S_JOB_NODEID), expanded by libslurm's hostlist functions when slurmstepd has them. 0, or -1 when the
+ * name cannot be known: then nothing is made under a guessed name. */
+static int node_name_early(spank_t sp, uint32_t step_id, char *node, size_t len)
+{
+	void *(*create)(const char *) = (void *(*)(const char *))dlsym(RTLD_DEFAULT, "slurm_hostlist_create");
+	char *(*shift)(void *) = (char *(*)(void *))dlsym(RTLD_DEFAULT, "slurm_hostlist_shift");
+	void (*destroy)(void *) = (void (*)(void *))dlsym(RTLD_DEFAULT, "slurm_hostlist_destroy");
+	char *list, *host = NULL;
+	void *hl;
+	uint32_t id = 0;
+	int err, rc = -1;
+
+	if (!create || !shift || !destroy || spank_get_item(sp, S_JOB_NODEID, &id) != ESPANK_SUCCESS)
+		return -1;
+	list = getenv_job_dup(sp, step_id == SLURM_BATCH_SCRIPT ? "SLURM_JOB_NODELIST" : "SLURM_STEP_NODELIST", &err);
+	hl = list && list[0] ? create(list) : NULL;
+	for (uint32_t k = 0; hl && k <= id; k++) {
+		free(host);
+		if (!(host = shift(hl)))
+			break;
+	}
+	if (host && mt_snprintf(node, len, "%s", host) == 0) {
+		safe_component(node);
+		rc = 0;
+	}
+	free(host);
+	if (hl)
+		destroy(hl);
+	free(list);
+	return rc;
+}
+
 /* run_dir must be root's and writable by nobody else: the files written there are trusted by the epilog. */
 static bool safe_run_dir(const char *dir)
 {
@@ -245,7 +281,7 @@ static void record(const char *path, const char *line)
 int mt_remote_post_opt(spank_t sp, int ac, char **av)
 {
 	char node[256] = "", name[320], uid_name[32], path[MT_PATH_MAX], line[MT_PATH_MAX + 2];
-	uint32_t job_id = 0;
+	uint32_t job_id = 0, step_id = 0;
 	uid_t uid;
 	gid_t gid;
 
@@ -255,13 +291,18 @@ int mt_remote_post_opt(spank_t sp, int ac, char **av)
 		return mt_soft_fail();
 	if (!mt_state.opts.traced || geteuid() != 0)
 		return 0;
+	if (spank_get_item(sp, S_JOB_STEPID, &step_id) == ESPANK_SUCCESS && step_id == SLURM_EXTERN_CONT)
+		return 0; /* the job's extern step runs no tasks of the user's */
 	if (spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS ||
 	    spank_get_item(sp, S_JOB_UID, &uid) != ESPANK_SUCCESS ||
 	    spank_get_item(sp, S_JOB_GID, &gid) != ESPANK_SUCCESS) {
 		mt_error("cannot get the job's id and user");
 		return mt_soft_fail();
 	}
-	node_name(sp, node, sizeof(node));
+	if (node_name_early(sp, step_id, node, sizeof(node)) < 0) {
+		mt_debug("this node's name is not known yet: its directories are left to the prolog");
+		return 0;
+	}
 	mt_snprintf(uid_name, sizeof(uid_name), "%u", (unsigned)uid);
 	if (mt_snprintf(name, sizeof(name), "job-%" PRIu32 ".%s", job_id, node) < 0)
 		return mt_soft_fail();

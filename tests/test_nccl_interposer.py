@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from nccl_double.harness import Build, BuildUnavailable, build_all, run_job
+from planted import planted_step_dir
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind
@@ -354,15 +355,7 @@ def test_the_default_trace_directory_is_the_python_tracer_s(nccl: Build) -> None
 def test_the_interposer_refuses_a_trace_directory_another_user_made_and_never_writes_through_its_links(
         nccl: Build, tmp_path: Path) -> None:
     """Issue 20, item 1, for the NCCL path: the attacker's 0777 directory with the victim's meta file as a link."""
-    victim = tmp_path / "victims-notes"
-    victim.write_text("keep\n")
-    step = tmp_path / "job-7.n1" / "step-0"
-    step.mkdir(parents=True)
-    for d in (step.parent, step):
-        d.chmod(0o777)
-        os.chown(d, 4242, 4242)
-    (step / fmt.meta_name(0)).symlink_to(victim)
-    os.lchown(step / fmt.meta_name(0), 4242, 4242)
+    victim, step = planted_step_dir(tmp_path)
     env = {"MEGATRACE_ENABLE": "1", "MEGATRACE_DIR": str(step), "LD_PRELOAD": str(nccl.interposer), "RANK": "0",
            "PATH": "/usr/bin:/bin"}
     done = subprocess.run([str(nccl.mpiexec), "-n", "1", str(nccl.driver), "--steps", "1"], env=env,

@@ -28,6 +28,7 @@ from megatrace.trace import ring_format as fmt
 from megatrace.trace import warnings as mt_warnings
 from megatrace.trace.ring_reader import RECORD_DTYPE, RingFormatError, read_meta, read_ring
 from megatrace.trace.ring_writer import RingIdentity, RingWriter
+from planted import planted_step_dir
 
 FIELDS = ("seq", "group_seq", "t_enqueue", "nbytes", "group_id", "peer", "op", "dtype", "flags",
           "t_complete", "state")
@@ -651,15 +652,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making another user's
 def test_a_directory_another_user_made_first_is_refused_and_its_planted_link_never_written(tmp_path):
     """Issue 20, item 1: the attacker makes the job's step directory first (mode 0777), with the victim's
     meta file as a link to a file of the victim's that the attacker picked."""
-    victim = tmp_path / "victims-notes"
-    victim.write_text("keep\n")
-    step = tmp_path / "job-7.n1" / "step-0"
-    step.mkdir(parents=True)
-    for d in (step.parent, step):
-        d.chmod(0o777)
-        os.chown(d, OTHER_UID, OTHER_UID)
-    (step / fmt.meta_name(0)).symlink_to(victim)
-    os.lchown(step / fmt.meta_name(0), OTHER_UID, OTHER_UID)
+    victim, step = planted_step_dir(tmp_path)
     with pytest.raises(OSError, match=f"cannot use trace directory {step}: .*owned by uid {OTHER_UID}"):
         w = RingWriter(step, RingIdentity(rank=0, world_size=1))
         w.write_meta("env", vars={"SECRET_THING": "x"})

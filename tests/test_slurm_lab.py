@@ -352,6 +352,9 @@ def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resum
         # A history of its own: an alert sent by an earlier run on this machine would still be deduplicated.
         site = Path("/etc/megatrace/slurm.conf")
         site.write_text(site.read_text().replace("HEALTH_ARGS=", f"HEALTH_ARGS=--history {tmp_path}/history.db ", 1))
+        # Inject only once a check has run with that history: one that read the site config before the change
+        # but saw the failure would alert from the default history too (two alerts, from two histories).
+        assert _wait_for(lambda: (tmp_path / "history.db").exists(), timeout=3 * interval)
         fail.write_text("drill: slurmd health check\n")
         os.chmod(fail, 0o644)
         injected = time.monotonic()
@@ -374,14 +377,19 @@ def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resum
 
 # -- an ordinary user --------------------------------------------------------------------------
 
+def _ordinary_user(name: str) -> pwd.struct_passwd:
+    """The account ``name``, made (no home, a shell) when it does not exist yet."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        proc = _run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", name])
+        assert proc.returncode == 0, proc.stderr
+        return pwd.getpwnam(name)
+
+
 @pytest.fixture(scope="module")
 def test_user() -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(TEST_USER)
-    except KeyError:
-        proc = _run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", TEST_USER])
-        assert proc.returncode == 0, proc.stderr
-        return pwd.getpwnam(TEST_USER)
+    return _ordinary_user(TEST_USER)
 
 
 @pytest.fixture
@@ -446,12 +454,7 @@ FALLBACK_BASE = Path("/var/tmp/megatrace")
 
 @pytest.fixture(scope="module")
 def attacker() -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(ATTACKER)
-    except KeyError:
-        proc = _run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", ATTACKER])
-        assert proc.returncode == 0, proc.stderr
-        return pwd.getpwnam(ATTACKER)
+    return _ordinary_user(ATTACKER)
 
 
 @pytest.fixture(params=[0, 1], ids=["protected_symlinks=0", "protected_symlinks=1"])
@@ -462,6 +465,25 @@ def protected_symlinks(request):
     knob.write_text(f"{request.param}\n")
     yield request.param
     knob.write_text(f"{old}\n")
+
+
+USER_PYTHON = "/usr/bin/python3"  # the ordinary users cannot run this venv's interpreter (root's home)
+
+
+@pytest.fixture(scope="module")
+def user_pkg():
+    """A copy of the megatrace package every user can import with the system Python (stdlib parts only)."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="megatrace-pkg-", dir="/tmp"))
+    shutil.copytree(Path(__file__).resolve().parent.parent / "megatrace", root / "megatrace",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    if not Path(USER_PYTHON).exists():
+        pytest.skip(f"no {USER_PYTHON} for the ordinary users")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -477,6 +499,12 @@ def shared_dir():
 
 def _as(user: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
     return _run(["runuser", "-u", user, "--", *argv], **kw)
+
+
+def _product_bases(work: Path) -> None:
+    """The ring and fallback bases as the plugin and prolog make them (a traced job makes them when absent)."""
+    if not (SHM_BASE.is_dir() and FALLBACK_BASE.is_dir()):
+        wait_job(submit("srun true\n", work, "--megatrace=check=off", "-N1"))
 
 
 def _victims_file(user_dir: Path, test_user: pwd.struct_passwd) -> Path:
@@ -518,11 +546,21 @@ while not os.path.exists(stop):
 print(made, len(set(seen)), sorted(set(seen))[:5], flush=True)
 """
 
-TRACED_ONE_RANK = f"""export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
-srun -N1 -n1 {PYTHON} -c '
-import torch, torch.distributed as dist
-dist.init_process_group("gloo", rank=0, world_size=1)
-t = torch.ones(1); dist.all_reduce(t); dist.barrier(); dist.destroy_process_group(); print("trained")'
+# One rank of a traced job as the tracer starts it: the settings the plugin gave the task, the real RingWriter
+# (a directory it does not accept turns tracing off; the job goes on). System Python: see USER_PYTHON.
+TRACER_STEP = """srun -N1 -n1 env PYTHONPATH={pkg} {python} -c '
+from megatrace.trace.settings import TracerSettings
+from megatrace.trace.ring_writer import RingIdentity, RingWriter
+s = TracerSettings.from_env()
+try:
+    w = RingWriter(s.directory, RingIdentity(rank=0, world_size=1, job_id=s.job_id, step_id=s.step_id))
+    w.write_meta("env", vars={{"NCCL_DEBUG": "INFO"}})
+    w.complete(w.begin(1, 1, 1, 4))
+    w.close()
+    print("traced into", s.directory)
+except OSError as exc:
+    print("not traced:", exc)
+print("trained")'
 """
 
 
@@ -533,17 +571,20 @@ def _owned_by(root: Path, uid: int) -> list[Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("base_mode", [0o755, 0o1777], ids=["base-0755", "old-base-1777"])
 def test_another_user_racing_the_prolog_for_the_node_directory_gets_nothing_of_the_victims(
-        lab, test_user, attacker, user_dir, protected_symlinks, base_mode):
+        lab, test_user, attacker, user_dir, user_pkg, protected_symlinks, base_mode):
     """Item 1: the attacker's loop runs while the victim's prolog makes the node directory. The base is root's
     0755 (as the plugin and prolog make it now: nobody else can make a name in it) or an old 1777 one."""
     target = _victims_file(user_dir, test_user)
-    SHM_BASE.mkdir(mode=0o755, exist_ok=True)
+    _product_bases(user_dir)
+    product_mode = SHM_BASE.stat().st_mode & 0o7777
+    if base_mode == 0o755:
+        assert (SHM_BASE.stat().st_uid, product_mode) == (0, 0o755)  # as the plugin and prolog make it
     SHM_BASE.chmod(base_mode)
     stop = Path(f"/tmp/megatrace-attack-stop-{os.getpid()}")
-    job = submit(TRACED_ONE_RANK, user_dir, "--megatrace=check=off", "-N1", "-w", "n1", "--hold",
-                 user=TEST_USER)
+    job = submit(TRACER_STEP.format(pkg=user_pkg, python=USER_PYTHON), user_dir, "--megatrace=check=off", "-N1",
+                 "-w", "n1", "--hold", user=TEST_USER)
     node_dir = SHM_BASE / f"job-{job}.n1"
-    loop = subprocess.Popen(["runuser", "-u", ATTACKER, "--", PYTHON, "-c", ATTACK_LOOP, str(node_dir),
+    loop = subprocess.Popen(["runuser", "-u", ATTACKER, "--", USER_PYTHON, "-c", ATTACK_LOOP, str(node_dir),
                              str(target), str(stop)], stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(0.5)  # the loop is running
@@ -551,15 +592,16 @@ def test_another_user_racing_the_prolog_for_the_node_directory_gets_nothing_of_t
         info = wait_job(job, timeout=180)
     finally:
         stop.touch()
-        made, reads = loop.communicate(timeout=60)[0].split()[:2]
+        said = loop.communicate(timeout=60)[0]
         stop.unlink()
-        SHM_BASE.chmod(0o755)
+        SHM_BASE.chmod(product_mode)
+    made, reads = said.split()[:2]
     text = output(user_dir, job)
-    assert info["JobState"] == "COMPLETED" and "trained" in text, text
+    assert info["JobState"] == "COMPLETED" and "trained" in text, text  # traced or not, training went on
     assert target.read_text() == "victim's notes\n"  # nothing written through the planted link
-    assert reads == "0", f"the attacker read {reads} of the victim's files"
+    assert reads == "0", f"the attacker read the victim's files: {said}"
     if base_mode == 0o755:  # nobody but root can make a name in the base: the attack cannot even start
-        assert made == "0"
+        assert made == "0" and "traced into" in text, (said, text)
         rings = user_dir / f"megatrace-{job}" / "step-0" / "rings"
         assert sorted(p.name for p in rings.iterdir()) == ["rank-00000.meta.jsonl", "rank-00000.ring"]
         for p in rings.iterdir():
@@ -585,14 +627,14 @@ def test_a_job_directory_and_fallback_another_user_planted_are_never_used(
               "srun -N1 -n1 bash -c 'mkdir -p $MEGATRACE_DIR && echo x > $MEGATRACE_DIR/rank-00000.ring'\n")
     job = submit(script, work, f"--megatrace=dir={shared_dir}/megatrace-run", "-N1", "-w", "n1", "--hold",
                  user=TEST_USER)
-    FALLBACK_BASE.mkdir(mode=0o755, exist_ok=True)  # made by root before any job (the plugin's init does)
+    _product_bases(work)
     planted = [shared_dir / "megatrace-run", FALLBACK_BASE / f"megatrace-{job}",
                FALLBACK_BASE / str(test_user.pw_uid)]
     plant = ("import os, sys\nfor d in sys.argv[2:]:\n    try:\n        os.makedirs(d + '/.agents/exits', 0o777)\n"
              "        for x in (d, d + '/.agents', d + '/.agents/exits'): os.chmod(x, 0o777)\n"
              "        os.symlink(sys.argv[1], d + '/.agents/exits/n1'); print('planted', d)\n"
              "    except OSError as e: print('refused', d, e.strerror)\n")
-    done = _as(ATTACKER, [PYTHON, "-c", plant, str(target), *map(str, planted)])
+    done = _as(ATTACKER, [USER_PYTHON, "-c", plant, str(target), *map(str, planted)])
     assert f"planted {planted[0]}" in done.stdout, done.stdout + done.stderr
     assert f"refused {planted[2]}" in done.stdout  # the fallback base is root's 0755: no name of the attacker's
     try:
@@ -619,23 +661,25 @@ def test_an_untraced_jobs_epilog_never_copies_a_node_directory_another_user_plan
         lab, test_user, attacker, user_dir, protected_symlinks):
     """Item 4: in an old 1777 base the attacker makes job-<id>.<node> for the victim's untraced job; the epilog
     copied it into the victim's directory with its modes (0666), where the attacker could still edit it."""
+    _product_bases(user_dir)
+    product_mode = SHM_BASE.stat().st_mode & 0o7777
     SHM_BASE.chmod(0o1777)
     try:
         job = submit("true\n", user_dir, "-N1", "-w", "n1", "--hold", user=TEST_USER)
         node_dir = SHM_BASE / f"job-{job}.n1"
         plant = (f"import os\nos.makedirs({str(node_dir / 'step-0')!r}, 0o777)\n"
                  f"p = {str(node_dir / 'step-0' / 'rank-00000.ring')!r}\nopen(p, 'w').write('x')\nos.chmod(p, 0o666)\n")
-        assert _as(ATTACKER, [PYTHON, "-c", plant]).returncode == 0
+        assert _as(ATTACKER, [USER_PYTHON, "-c", plant]).returncode == 0
         _run(["scontrol", "release", job])
         assert wait_job(job)["JobState"] == "COMPLETED"
     finally:
-        SHM_BASE.chmod(0o755)
+        SHM_BASE.chmod(product_mode)
     assert not (user_dir / f"megatrace-{job}").exists()
     assert (node_dir / "step-0" / "rank-00000.ring").exists()  # not the epilog's to remove either
     shutil.rmtree(node_dir, ignore_errors=True)
 
 
-def test_outside_slurm_each_user_traces_into_a_base_of_their_own(test_user, attacker):
+def test_outside_slurm_each_user_traces_into_a_base_of_their_own(test_user, attacker, user_pkg):
     """Item 6: the first user made /dev/shm/megatrace 0755; the second could read the first one's meta (the
     environment) and could not trace at all. Both here trace job "local" on the same node."""
     code = ("import os\nfrom megatrace.trace.ring_writer import RingIdentity, RingWriter\n"
@@ -645,7 +689,7 @@ def test_outside_slurm_each_user_traces_into_a_base_of_their_own(test_user, atta
             "w.write_meta('env', vars={'NCCL_SOCKET_IFNAME': os.environ['USER']}); w.close(); print(w.meta_path)\n")
     metas = []
     for user in (TEST_USER, ATTACKER):
-        done = _as(user, ["env", f"USER={user}", PYTHON, "-c", code], cwd="/")
+        done = _as(user, ["env", f"USER={user}", f"PYTHONPATH={user_pkg}", USER_PYTHON, "-c", code], cwd="/")
         assert done.returncode == 0 and "tracing is off" not in done.stderr, done.stderr
         metas.append(Path(done.stdout.strip()))
     try:
