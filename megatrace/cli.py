@@ -49,7 +49,7 @@ Examples:
 """)
 @click.option("--dir", "trace_dir", type=click.Path(file_okay=False), envvar="MEGATRACE_DIR",
               show_envvar=True, help="Directory for the ring files "
-              "[default: /dev/shm/megatrace/<job>.<step>/, node-local].")
+              "[default: /dev/shm/megatrace-<uid>/<job>.<step>/, node-local].")
 @click.option("--ring-records", type=click.IntRange(16, 1 << 26), envvar="MEGATRACE_RING_RECORDS",
               show_envvar=True, default=65536, show_default=True,
               help="Records kept per rank (64 bytes each); older records are overwritten.")

@@ -94,6 +94,8 @@ int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 	case S_CTX_LOCAL:
 	case S_CTX_ALLOCATOR:
 		return mt_local_post_opt(sp, ac, av);
+	case S_CTX_REMOTE:
+		return mt_remote_post_opt(sp, ac, av);
 	default:
 		return 0;
 	}

@@ -39,7 +39,7 @@ struct mt_job_opts {
 struct mt_site_conf {
 	char megatrace[MT_PATH_MAX]; /* the megatrace executable */
 	char local_dir[MT_PATH_MAX]; /* node-local ring directory base */
-	char fallback_dir[MT_PATH_MAX]; /* used when the job dir cannot be created */
+	char fallback_dir[MT_PATH_MAX]; /* root's: <fallback_dir>/<uid>/megatrace-<id> when the job dir is unusable */
 	char run_dir[MT_PATH_MAX]; /* root-owned: task exit statuses for the epilog */
 	char nccl_preload[MT_PATH_MAX]; /* the NCCL interposer, put in front of each task's LD_PRELOAD */
 	long hang_timeout;
@@ -64,6 +64,7 @@ int mt_local_post_opt(spank_t sp, int ac, char **av);
 
 /* remote.c: slurmstepd */
 int mt_remote_init(spank_t sp, int ac, char **av);
+int mt_remote_post_opt(spank_t sp, int ac, char **av);
 int mt_remote_user_init(spank_t sp, int ac, char **av);
 int mt_remote_task_init(spank_t sp, int ac, char **av);
 int mt_remote_task_exit(spank_t sp, int ac, char **av);
@@ -73,6 +74,7 @@ struct mt_state {
 	struct mt_site_conf conf;
 	struct mt_job_opts opts;
 	bool opt_seen; /* the --megatrace callback ran */
+	bool resolved; /* remote: traced or not is decided (init_post_opt, else user_init) */
 	int opt_error; /* a bad option seen in a hook whose errors Slurm drops */
 	char job_dir[MT_PATH_MAX];
 };

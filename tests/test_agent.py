@@ -328,3 +328,50 @@ def test_under_slurm_the_agent_collects_every_node_each_from_its_own_ring_direct
     cmd = default_collect_cmd(cfg)
     assert cmd[0] == "srun" and "--overlap" in cmd and "--mpi=pmi2" in cmd and "--nodes=3" in cmd
     assert cmd[cmd.index("--ring-dir") + 1] == "/var/megatrace/job-7.%n/step-0"
+
+
+# -- whose rings: the job's user's, of this job (issue 20, item 5) ---------------------------------------------
+
+def _stale_ring(directory: Path, job_id: str, age_s: float = 3600.0) -> None:
+    """A ring whose only call was entered ``age_s`` ago and never completed: a stalled rank to an agent."""
+    from megatrace.trace.ring_writer import RingIdentity, RingWriter
+
+    w = RingWriter(directory, RingIdentity(rank=0, world_size=1, job_id=job_id, host="h"), capacity=16,
+                   use_native=False)
+    w.begin(1, 1, 1, 4, _now=lambda: time.monotonic_ns() - int(age_s * S))
+
+
+def _live_ring(directory: Path, job_id: str) -> None:
+    from megatrace.trace.ring_writer import RingIdentity, RingWriter
+
+    w = RingWriter(directory, RingIdentity(rank=0, world_size=1, job_id=job_id, host="h", pid=os.getpid()),
+                   capacity=16, use_native=False)
+    w.complete(w.begin(1, 1, 1, 4))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root")
+def test_the_agent_never_watches_a_directory_another_user_named_after_the_job(tmp_path: Path, monkeypatch) -> None:
+    """A directory <base>/<job>.evil with a stale ring made the victim's agent watch it and go suspect."""
+    from megatrace.trace import settings as tsettings
+
+    base = tmp_path / "base"
+    (base / "77.0").mkdir(parents=True)
+    _live_ring(base / "77.0", "77")  # the job's own step: progressing
+    evil = base / "77.evil"
+    evil.mkdir(mode=0o755)
+    _stale_ring(evil, "77")
+    for p in (evil, *evil.iterdir()):
+        os.lchown(p, 4242, 4242)
+    (base / "77.1").mkdir()
+    _stale_ring(base / "77.1", "99")  # our own directory, but another job's ring in it
+    from megatrace.collect.node import job_ring_dirs
+
+    assert set(job_ring_dirs("77", str(base))) == {str(base / "77.0"), str(base / "77.1")}  # not 77.evil
+    monkeypatch.setattr(tsettings, "default_base", lambda uid=None: base)
+    agent = Agent(AgentConfig(state_dir=str(tmp_path / "state"), ring_dir=None, node="n1", job_id="77",
+                              job_dir=str(tmp_path), hang_timeout_s=60, exit_when_done=False,
+                              timelimit_lead_s=None))
+    assert set(agent.ring_dirs()) == {str(base / "77.0"), str(base / "77.1")}  # not 77.evil
+    assert agent.poll() == HEALTHY
+    status = json.loads((tmp_path / "state" / "agents" / "n1.json").read_text())
+    assert len(status["ranks"]) == 1 and status["ranks"][0]["state"] == PROGRESSING

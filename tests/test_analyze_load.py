@@ -135,3 +135,113 @@ def test_rings_directly_in_the_directory_are_found(tmp_path: Path) -> None:
     b.write(tmp_path)
     trace = load_trace(tmp_path / "rings")
     assert trace.ranks.tolist() == [0, 1, 2, 3]
+
+
+# -- hostile input: another user's links and FIFOs, huge worlds, deep nesting, sparse rings (issue 20) -------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+OTHER_UID = 4242  # the directory's owner, a user (made by chown: the tests run as root in CI)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root")
+
+
+def _give(path: Path) -> Path:
+    os.lchown(path, OTHER_UID, OTHER_UID)
+    return path
+
+
+@needs_root
+def test_as_root_a_users_layout_link_to_a_root_file_is_not_followed_nor_quoted(tmp_path: Path) -> None:
+    """Item 2: the first line of a mode-600 root file was echoed into findings.json through layout.yaml."""
+    secret = tmp_path / "root-only"
+    secret.write_text("root-secret: [\n")  # bad YAML: the parser's message would quote it
+    secret.chmod(0o600)
+    user_dir = tmp_path / "job"
+    b, _ = four_ranks()
+    b.write(user_dir)
+    _give(user_dir)
+    (user_dir / "layout.yaml").symlink_to(secret)
+    _give(user_dir / "layout.yaml")
+    trace = load_trace(user_dir)
+    text = json.dumps([p.message for p in trace.problems])
+    assert "root-secret" not in text and trace.layout is None
+    assert "layout.yaml: a symbolic link owned by uid 4242; not followed" in codes(trace)["layout"]
+    assert f"belongs to uid {OTHER_UID} and is analysed as root" in codes(trace)["foreign-owner"]
+
+
+def test_a_bad_layout_is_named_by_line_without_quoting_it(tmp_path: Path) -> None:
+    b, _ = four_ranks()
+    b.write(tmp_path)
+    (tmp_path / "layout.yaml").write_text("tp: 2\nroot-secret: [\n")
+    msg = codes(load_trace(tmp_path))["layout"]
+    assert "not valid YAML at line 3" in msg and "root-secret" not in msg, msg
+
+
+@needs_root
+def test_fifos_a_user_planted_for_meta_and_procs_files_never_block_the_analysis(tmp_path: Path) -> None:
+    b, _ = four_ranks()
+    b.write(tmp_path, procs={})
+    for name in ("rings/rank-00001.meta.jsonl", "procs.json"):
+        (tmp_path / name).unlink()
+        os.mkfifo(tmp_path / name)
+        _give(tmp_path / name)
+    code = (f"from megatrace.analyze.load import load_trace\n"
+            f"for tail in (None, 8):\n"
+            f"    t = load_trace({str(tmp_path)!r}, tail=tail)\n"
+            f"    print(sorted(p.code for p in t.problems))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert all("procs" in line for line in done.stdout.splitlines()), done.stdout
+
+
+def test_rings_claiming_a_world_of_two_billion_ranks_are_refused_in_bounded_memory(tmp_path: Path) -> None:
+    """Item 10: 12 KB rings with world_size 2**31-1 made the analysis allocate gigabytes (range(world))."""
+    from megatrace.trace.ring_writer import RingIdentity, RingWriter
+
+    for rank in range(2):
+        w = RingWriter(tmp_path, RingIdentity(rank=rank, world_size=2**31 - 1, job_id="j"), capacity=128)
+        w.complete(w.begin(1, 7, 1, 4))
+        w.close()
+    code = (f"import resource, sys\nfrom megatrace.cli import main\n"
+            f"try:\n    main(['analyze', {str(tmp_path)!r}])\n"
+            f"except SystemExit as e:\n    print('exit', e.code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr and "world size 2147483647 is outside 1..1048576" in done.stderr
+    _, code_, rss_kib = done.stdout.split()
+    assert code_ == "1" and int(rss_kib) < 400_000, done.stdout
+
+
+DEEP = b'{"kind":"group","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+
+
+@pytest.mark.parametrize("tail", [None, QUICK := 16])
+def test_a_meta_or_procs_line_nested_100000_deep_is_a_problem_not_a_traceback(tmp_path: Path, tail) -> None:
+    """Item 11: json.loads raised RecursionError (no report, also with --quick)."""
+    b, _ = four_ranks()
+    b.write(tmp_path, procs={})
+    with open(tmp_path / "rings" / "rank-00002.meta.jsonl", "ab") as fh:
+        fh.write(DEEP)
+    (tmp_path / "procs.json").write_bytes(b'{"ranks":' + DEEP[:-1] + b"}")
+    trace = load_trace(tmp_path, tail=tail)
+    assert trace.ranks.tolist() == [0, 1, 2, 3]
+    assert "nested too deeply" in codes(trace)["procs"]
+    assert any("nested too deeply" in p.message for p in trace.problems if p.code != "procs"), codes(trace)
+
+
+def test_a_sparse_gigabyte_ring_costs_only_what_its_capacity_says(tmp_path: Path) -> None:
+    """Item 15: a 1 GiB sparse ring (12 KB on disk) cost 1.1 GB of memory: read_ring read the whole file."""
+    from megatrace.trace.ring_writer import RingIdentity, RingWriter
+
+    w = RingWriter(tmp_path, RingIdentity(rank=0, world_size=1, job_id="j"), capacity=128)
+    w.complete(w.begin(1, 7, 1, 4))
+    w.close()
+    os.truncate(w.path, 1 << 30)
+    code = (f"import resource\nfrom megatrace.trace.ring_reader import read_ring\n"
+            f"s = read_ring({str(w.path)!r})\n"
+            f"print(len(s.records), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    n, rss_kib = done.stdout.split()
+    assert n == "1" and int(rss_kib) < 300_000, (done.stdout, done.stderr)

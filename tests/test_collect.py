@@ -151,6 +151,8 @@ def test_unreadable_linked_and_corrupt_inputs_are_reported_and_never_crash_the_c
     secret = tmp_path / "secret"
     secret.write_text("root only")
     os.symlink(secret, base / "n3" / "rank-00010.meta.jsonl")
+    if os.geteuid() == 0:  # another user's link (root's own links are followed)
+        os.lchown(base / "n3" / "rank-00010.meta.jsonl", 4242, 4242)
     proc = _mpiexec(base, job, ["--timeout", "20"])
     assert proc.returncode in (0, 9) or "Traceback" not in proc.stderr, proc.stderr
     bundle = job / "megatrace-77"
@@ -240,3 +242,24 @@ def test_eight_nodes_in_uneven_leader_groups_all_arrive(tmp_path: Path) -> None:
     for r, node in enumerate(nodes):
         name = f"rank-{r:05d}.ring"
         assert (job / "megatrace-s" / "rings" / name).read_bytes() == (tmp_path / node / name).read_bytes()
+
+
+def test_a_local_collection_of_rings_claiming_two_billion_ranks_still_writes_collection_json(tmp_path: Path) -> None:
+    """Issue 20, item 10: range(world) of a hostile header made collect --local die of MemoryError."""
+    from megatrace.trace.ring_writer import RingIdentity, RingWriter
+
+    rings = tmp_path / "rings"
+    for rank in range(2):
+        w = RingWriter(rings, RingIdentity(rank=rank, world_size=2**31 - 1, job_id="5"), capacity=128)
+        w.complete(w.begin(1, 7, 1, 4))
+        w.close()
+    job = tmp_path / "job"
+    job.mkdir()
+    code = (f"import resource\nfrom megatrace.collect.run import CollectOptions, collect_local\n"
+            f"collect_local(CollectOptions(job_dir={str(job)!r}, job_id='5', ring_dir={str(rings)!r}, node='solo',"
+            f" trigger='end', system=False, stacks=False))\n"
+            f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and int(done.stdout.split()[-1]) < 400_000, done.stderr[-2000:]
+    doc = json.loads((job / "megatrace-5" / "collection.json").read_text())
+    assert "world size 2147483647 is outside 1..1048576" in "\n".join(doc["problems"])

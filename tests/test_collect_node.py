@@ -52,3 +52,20 @@ def test_gathers_and_local_runs_never_share_a_bundle_directory(tmp_path: Path) -
     assert bundle_path(tmp_path, "5", fresh=True).name == "megatrace-5.2"
     (tmp_path / "megatrace-5.2").symlink_to(tmp_path)
     assert bundle_path(tmp_path, "5").name == "megatrace-5.3"
+
+
+def test_a_pid_in_a_ring_header_is_looked_into_only_when_it_runs_as_the_rings_owner(tmp_path: Path) -> None:
+    """Issue 20, item 8: the root-run collector followed a pid from a header into /proc and py-spy of any process."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("playing another user needs root")
+    w = RingWriter(tmp_path, RingIdentity(rank=0, world_size=1, job_id="9", host="n1", pid=os.getpid()),
+                   capacity=16, use_native=False)
+    w.complete(w.begin(1, 1, 1, 4))
+    for p in (tmp_path, *tmp_path.iterdir()):
+        os.chown(p, 4242, 4242)  # a user's ring naming root's process (this one)
+    facts = snapshot_node(str(tmp_path), "n1", stacks=False, system=False).facts
+    me = facts["procs"][str(os.getpid())]
+    assert me["alive"] is False and "cmdline" not in me and "not looked into" in me["note"], me
+    assert facts["ring_dir_uid"] == 4242

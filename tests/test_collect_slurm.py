@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatrace.collect.slurm import agent_command, collect_command, expand_hostlist, hang_action
@@ -74,3 +76,36 @@ def test_the_reason_goes_into_the_jobs_output_file_but_never_through_a_link(tmp_
     assert out.read_text().count("megatrace") == 1
     assert _clip("megatrace: hang confirmed; rank 5 stopped", 30) == "megatrace: hang confirmed…"  # a whole word
     assert _clip("short", 30) == "short"
+
+
+def test_a_job_record_is_never_split_at_a_blank_inside_a_value() -> None:
+    """Issue 20, item 9: `scontrol show job` output was split on blanks (a StdOut path with spaces was cut, and a
+    job name could stand in for later fields)."""
+    from megatrace.collect.slurm import parse_job_record
+
+    text = ("JobId=42 JobName=train EndTime=2000-01-01T00:00:00 StdOut=/tmp/evil\n"
+            "   UserId=alice(1000) GroupId=alice(1000) MCS_label=N/A\n"
+            "   RunTime=00:01:02 TimeLimit=01:00:00 TimeMin=N/A\n"
+            "   StartTime=2026-12-03T10:00:00 EndTime=2026-12-03T11:00:00 Deadline=N/A\n"
+            "   ReqNodeList=(null) ExcNodeList=n3\n"
+            "   Command=/home/alice/run 1/job.sh\n"
+            "   WorkDir=/home/alice/run 1\n"
+            "   Comment=megatrace: hang confirmed; on-hang=cancel StdOut=/tmp/evil\n"
+            "   StdErr=/home/alice/run 1/out-42.txt\n"
+            "   StdOut=/home/alice/run 1/out-42.txt\n")
+    fields = parse_job_record(text)
+    assert fields["JobName"] == "train EndTime=2000-01-01T00:00:00 StdOut=/tmp/evil"
+    assert fields["EndTime"] == "2026-12-03T11:00:00" and fields["TimeLimit"] == "01:00:00"
+    assert fields["WorkDir"] == "/home/alice/run 1" and fields["StdOut"] == "/home/alice/run 1/out-42.txt"
+    assert fields["Comment"] == "megatrace: hang confirmed; on-hang=cancel StdOut=/tmp/evil"
+    assert fields["ExcNodeList"] == "n3" and fields["JobId"] == "42"
+
+
+def test_job_fields_reads_the_multi_line_record_of_scontrol(tmp_path: Path) -> None:
+    from megatrace.collect.slurm import job_fields
+
+    fake = tmp_path / "scontrol"  # stands in for Slurm's command: prints the record it was asked for
+    fake.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show job 7" ] || exit 1\n'
+                    'printf "JobId=7 JobName=a b\\n   StdOut=/x y/out.txt\\n"\n')
+    fake.chmod(0o755)
+    assert job_fields("7", str(fake)) == {"JobId": "7", "JobName": "a b", "StdOut": "/x y/out.txt"}

@@ -203,3 +203,100 @@ def test_alert_files_are_strict(tmp_path: Path) -> None:
     path.write_text("levels: [{match: 'gpu.*', when: warn, level: P1}]\nmin_level: P1\n")
     cfg = load_alert_config(path)
     assert cfg.rules == (LevelRule("gpu.*", "warn", "P1"),) and cfg.min_level == "P1"
+
+
+# -- delivery that fails is not "sent"; no token in messages; one deadline (issue 20, item 16) ----------------
+
+def _closed_url(path: str = "/hook") -> str:
+    with socket.socket() as s:  # a port nobody listens on: the receiver refuses
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}{path}"
+
+
+def test_an_alert_no_receiver_took_is_not_counted_as_sent_and_is_tried_again(tmp_path: Path, receiver) -> None:
+    """A failed delivery was stored as sent: its retry was deduplicated away for an hour and the P0 was lost."""
+    alert = lambda: Alert("n5", "gpu.xid", "fail", "XID 79")  # noqa: E731
+    with History(tmp_path / "h.db") as h:
+        first = dispatch([alert()], AlertConfig(webhook_url=_closed_url(), timeout_s=2), h, now=1000.0)
+        assert not first.sent and len(first.failed) == 1 and first.errors
+        assert h.alerts_since("n5:gpu.xid", 0) == (0, 1)
+        url, handler = receiver  # the receiver is back: the next check delivers it, not "already sent"
+        again = dispatch([alert()], AlertConfig(webhook_url=url), h, now=1060.0)
+        assert len(again.sent) == 1 and not again.suppressed and len(handler.got) == 1
+        assert h.alerts_since("n5:gpu.xid", 0)[0] == 1
+
+
+def test_delivery_errors_never_show_the_webhook_token(tmp_path: Path) -> None:
+    url = _closed_url("/services/T0AAAA/B0BBBB/hooksecret123?token=qsecret")
+    with History(tmp_path / "h.db") as h:
+        out = dispatch([Alert("n5", "gpu.xid", "fail", "XID 79")], AlertConfig(webhook_url=url, timeout_s=2), h)
+    assert out.errors and all("hooksecret123" not in e and "qsecret" not in e for e in out.errors), out.errors
+    assert "http://127.0.0.1:" in out.errors[0]
+    bad = tmp_path / "alerts.yaml"
+    bad.write_text("webhook: {url: 'ftp://u:pw-secret@relay/x'}\n")
+    with pytest.raises(AlertConfigError) as info:
+        load_alert_config(bad)
+    assert "pw-secret" not in str(info.value)
+
+
+def test_eight_alerts_to_a_silent_receiver_share_one_deadline(tmp_path: Path) -> None:
+    """At the default 5 s timeout, 8 alerts to a receiver that never answers took ~48 s of the 60 s health check."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections complete in the kernel; nothing ever answers
+    try:
+        cfg = AlertConfig(webhook_url=f"http://127.0.0.1:{silent.getsockname()[1]}/hook")  # defaults: 5 s, 15 s
+        alerts = [Alert(f"n{i}", "gpu.xid", "fail", "XID 79") for i in range(8)]
+        t = time.monotonic()
+        with History(tmp_path / "h.db") as h:
+            out = dispatch(alerts, cfg, h, now=1000.0)
+            elapsed = time.monotonic() - t
+            assert elapsed < cfg.deadline_s + 2, elapsed
+            assert not out.sent and len(out.failed) == 8
+            assert sum("deadline" in e for e in out.errors) >= 5  # the rest were not even tried
+            assert h.sent_since(0) == 0  # none counts as sent: the next check tries them all again
+    finally:
+        silent.close()
+
+
+# -- a broken history never stops the health check (issue 20, item 17) ----------------------------------------
+
+def _health(tmp_path: Path, history: Path) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+
+    limits = tmp_path / "limits.yaml"
+    limits.write_text("node: {min_free_shm_mib: 0, min_free_job_mib: 0}\n")  # a container's small /dev/shm
+    exe = Path(sys.executable).parent / "megatrace"
+    return subprocess.run([str(exe), "health", "--no-act", "--node", "t1", "--history", str(history),
+                           "--thresholds", str(limits)], capture_output=True, text=True, timeout=120)
+
+
+def test_a_corrupt_history_is_moved_aside_and_the_check_runs(tmp_path: Path) -> None:
+    db = tmp_path / "history.db"
+    db.write_bytes(b"this is not an SQLite database\n" * 100)
+    done = _health(tmp_path, db)
+    assert "Traceback" not in done.stderr and done.returncode in (0, 4), done.stderr
+    assert done.stdout.startswith("megatrace health t1: ")  # the checks ran and were judged
+    aside = list(tmp_path.glob("history.db.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not")
+    assert f"moved to {aside[0]}" in done.stderr
+    with History(db) as h:
+        assert h.recent_statuses("t1", 5)  # the new store has this check
+
+
+def test_a_history_locked_past_the_busy_timeout_still_lets_the_check_run(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "history.db"
+    History(db).close()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process holding the store for longer than 5 s
+    try:
+        done = _health(tmp_path, db)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert "Traceback" not in done.stderr and done.returncode in (0, 4), done.stderr
+    assert done.stdout.startswith("megatrace health t1: ")
+    assert "unusable (database is locked); this check keeps no history" in done.stderr
+    assert not list(tmp_path.glob("*.corrupt-*"))  # locked is not corrupt: nothing moved

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from nccl_double.harness import Build, BuildUnavailable, build_all, run_job
+from planted import planted_step_dir
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind
@@ -348,3 +349,22 @@ def test_the_default_trace_directory_is_the_python_tracer_s(nccl: Build) -> None
         assert (header.job_id, header.step_id, header.world_size) == (job_id, "7", 1)
     finally:
         shutil.rmtree(expected, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's directory needs root")
+def test_the_interposer_refuses_a_trace_directory_another_user_made_and_never_writes_through_its_links(
+        nccl: Build, tmp_path: Path) -> None:
+    """Issue 20, item 1, for the NCCL path: the attacker's 0777 directory with the victim's meta file as a link."""
+    victim, step = planted_step_dir(tmp_path)
+    env = {"MEGATRACE_ENABLE": "1", "MEGATRACE_DIR": str(step), "LD_PRELOAD": str(nccl.interposer), "RANK": "0",
+           "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([str(nccl.mpiexec), "-n", "1", str(nccl.driver), "--steps", "1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr  # training goes on
+    assert f"cannot use trace directory {step}: owned by another user; NCCL calls are not traced" in done.stderr
+    assert victim.read_text() == "keep\n" and sorted(p.name for p in step.iterdir()) == [fmt.meta_name(0)]
+    step.chmod(0o700)
+    os.chown(step, 0, 0)  # made by this user, but inside a directory the other user can change
+    done = subprocess.run([str(nccl.mpiexec), "-n", "1", str(nccl.driver), "--steps", "1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert "a directory above it is owned by another user" in done.stderr and victim.read_text() == "keep\n"

@@ -28,6 +28,7 @@ from megatrace.trace import ring_format as fmt
 from megatrace.trace import warnings as mt_warnings
 from megatrace.trace.ring_reader import RECORD_DTYPE, RingFormatError, read_meta, read_ring
 from megatrace.trace.ring_writer import RingIdentity, RingWriter
+from planted import planted_step_dir
 
 FIELDS = ("seq", "group_seq", "t_enqueue", "nbytes", "group_id", "peer", "op", "dtype", "flags",
           "t_complete", "state")
@@ -639,3 +640,73 @@ def test_worked_example_in_the_spec(tmp_path):
     assert snap.problems == [] and snap.to_dicts() == [{
         "seq": 42, "group_seq": 7, "t_enqueue": 5_000_000_000, "nbytes": 1 << 20, "group_id": 2480671174,
         "peer": -1, "op": 1, "dtype": 3, "flags": 5, "t_complete": 5_000_250_000, "state": 2}]
+
+
+# -- whose directory: the writer refuses one another user made or can change (docs/security.md) --------------
+
+OTHER_UID = 4242  # another user (the tests run as root in CI: chown makes their files and links)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making another user's files needs root")
+
+
+@needs_root
+def test_a_directory_another_user_made_first_is_refused_and_its_planted_link_never_written(tmp_path):
+    """Issue 20, item 1: the attacker makes the job's step directory first (mode 0777), with the victim's
+    meta file as a link to a file of the victim's that the attacker picked."""
+    victim, step = planted_step_dir(tmp_path)
+    with pytest.raises(OSError, match=f"cannot use trace directory {step}: .*owned by uid {OTHER_UID}"):
+        w = RingWriter(step, RingIdentity(rank=0, world_size=1))
+        w.write_meta("env", vars={"SECRET_THING": "x"})
+    assert victim.read_text() == "keep\n"
+    assert sorted(p.name for p in step.iterdir()) == [fmt.meta_name(0)]  # no ring made in there either
+
+
+@needs_root
+def test_a_directory_under_one_another_user_can_change_is_refused(tmp_path):
+    parent = tmp_path / "theirs"
+    parent.mkdir(mode=0o755)
+    os.chown(parent, OTHER_UID, OTHER_UID)  # they could rename our directory away and put theirs in its place
+    with pytest.raises(OSError, match="a directory above it is owned by uid 4242"):
+        RingWriter(parent / "mine", RingIdentity(rank=0, world_size=1))
+    shared = tmp_path / "world-writable"
+    shared.mkdir()
+    shared.chmod(0o777)  # writable by everyone, not sticky
+    with pytest.raises(OSError, match="writable by everyone and not sticky"):
+        RingWriter(shared / "mine", RingIdentity(rank=0, world_size=1))
+    shared.chmod(0o1777)  # sticky, like /tmp and /dev/shm: nobody can replace what we made in it
+    RingWriter(shared / "mine", RingIdentity(rank=0, world_size=1)).close()
+
+
+def test_the_directories_made_are_private_and_the_files_0600(tmp_path):
+    old = os.umask(0)  # even with the most permissive umask
+    try:
+        w = RingWriter(tmp_path / "a" / "b", RingIdentity(rank=0, world_size=1))
+        w.write_meta("env", vars={})
+        w.close()
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b"):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    for name in (fmt.ring_name(0), fmt.meta_name(0)):
+        assert (tmp_path / "a" / "b" / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_without_megatrace_dir_each_user_has_a_base_of_their_own():
+    """Issue 20, item 6: outside Slurm the first user must not own the base every user writes under."""
+    from megatrace.trace.settings import TracerSettings
+
+    d = TracerSettings.from_env({"MEGATRACE_JOB_ID": "j1", "MEGATRACE_STEP_ID": "0"}).directory
+    assert d.parent.name == f"megatrace-{os.geteuid()}" and d.name == "j1.0"
+
+
+@needs_root
+def test_another_users_base_planted_under_our_name_turns_tracing_off_with_a_warning(tmp_path, monkeypatch):
+    from megatrace.trace import settings as tsettings
+
+    planted = tmp_path / f"megatrace-{os.geteuid()}"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    monkeypatch.setattr(tsettings, "default_base", lambda uid=None: planted)
+    d = tsettings.TracerSettings.from_env({"MEGATRACE_JOB_ID": "j2"}).directory
+    with pytest.raises(OSError, match="owned by uid 4242"):
+        RingWriter(d, RingIdentity(rank=0, world_size=1))
+    assert list(planted.iterdir()) in ([], [d])

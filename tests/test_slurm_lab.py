@@ -352,6 +352,9 @@ def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resum
         # A history of its own: an alert sent by an earlier run on this machine would still be deduplicated.
         site = Path("/etc/megatrace/slurm.conf")
         site.write_text(site.read_text().replace("HEALTH_ARGS=", f"HEALTH_ARGS=--history {tmp_path}/history.db ", 1))
+        # Inject only once a check has run with that history: one that read the site config before the change
+        # but saw the failure would alert from the default history too (two alerts, from two histories).
+        assert _wait_for(lambda: (tmp_path / "history.db").exists(), timeout=3 * interval)
         fail.write_text("drill: slurmd health check\n")
         os.chmod(fail, 0o644)
         injected = time.monotonic()
@@ -374,14 +377,19 @@ def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resum
 
 # -- an ordinary user --------------------------------------------------------------------------
 
+def _ordinary_user(name: str) -> pwd.struct_passwd:
+    """The account ``name``, made (no home, a shell) when it does not exist yet."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        proc = _run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", name])
+        assert proc.returncode == 0, proc.stderr
+        return pwd.getpwnam(name)
+
+
 @pytest.fixture(scope="module")
 def test_user() -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(TEST_USER)
-    except KeyError:
-        proc = _run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", TEST_USER])
-        assert proc.returncode == 0, proc.stderr
-        return pwd.getpwnam(TEST_USER)
+    return _ordinary_user(TEST_USER)
 
 
 @pytest.fixture
@@ -426,10 +434,302 @@ def test_an_unwritable_job_dir_falls_back_and_says_so(lab, test_user, user_dir):
     job = submit("echo out=$MEGATRACE_OUT_DIR\n", work, f"--megatrace=dir={locked}/trace", user=TEST_USER)
     wait_job(job)
     text = output(work, job)
-    assert f"out=/var/tmp/megatrace/megatrace-{job}" in text
-    assert f"megatrace: job directory {locked}/trace is not writable: using /var/tmp/megatrace/megatrace-{job}" in text
-    assert Path(f"/var/tmp/megatrace/megatrace-{job}").stat().st_uid == test_user.pw_uid
-    shutil.rmtree(f"/var/tmp/megatrace/megatrace-{job}", ignore_errors=True)
+    fallback = Path(f"/var/tmp/megatrace/{test_user.pw_uid}/megatrace-{job}")  # in the user's own, made by root
+    assert f"out={fallback}" in text
+    assert f"megatrace: job directory {locked}/trace cannot be created: using {fallback}" in text
+    assert fallback.stat().st_uid == test_user.pw_uid and fallback.stat().st_mode & 0o777 == 0o700
+    assert fallback.parent.stat().st_uid == test_user.pw_uid and fallback.parent.stat().st_mode & 0o777 == 0o700
+    shutil.rmtree(fallback, ignore_errors=True)
+
+
+# -- two ordinary users on one node: the attacks of issue 20 ----------------------------------
+# The victim is TEST_USER, the attacker a second ordinary user (made the same way). Each attack runs
+# with fs.protected_symlinks 0 and 1: the fixes must not depend on it (the original report planted its
+# links in directories that are not sticky, where the default 1 does not help anyway).
+
+ATTACKER = "mtlabuser2"
+SHM_BASE = Path("/dev/shm/megatrace")
+FALLBACK_BASE = Path("/var/tmp/megatrace")
+
+
+@pytest.fixture(scope="module")
+def attacker() -> pwd.struct_passwd:
+    return _ordinary_user(ATTACKER)
+
+
+@pytest.fixture(params=[0, 1], ids=["protected_symlinks=0", "protected_symlinks=1"])
+def protected_symlinks(request):
+    """fs.protected_symlinks set for the test, the machine's own value restored after it."""
+    knob = Path("/proc/sys/fs/protected_symlinks")
+    old = knob.read_text().strip()
+    knob.write_text(f"{request.param}\n")
+    yield request.param
+    knob.write_text(f"{old}\n")
+
+
+USER_PYTHON = "/usr/bin/python3"  # the ordinary users cannot run this venv's interpreter (root's home)
+
+
+@pytest.fixture(scope="module")
+def user_pkg():
+    """A copy of the megatrace package every user can import with the system Python (stdlib parts only)."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="megatrace-pkg-", dir="/tmp"))
+    shutil.copytree(Path(__file__).resolve().parent.parent / "megatrace", root / "megatrace",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    if not Path(USER_PYTHON).exists():
+        pytest.skip(f"no {USER_PYTHON} for the ordinary users")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_dir():
+    """A sticky directory every user may create in, like /tmp or a scratch area."""
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="megatrace-shared-", dir="/tmp"))
+    work.chmod(0o1777)
+    yield work
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _as(user: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
+    return _run(["runuser", "-u", user, "--", *argv], **kw)
+
+
+def _product_bases(work: Path) -> None:
+    """The ring and fallback bases as the plugin and prolog make them (a traced job makes them when absent)."""
+    if not (SHM_BASE.is_dir() and FALLBACK_BASE.is_dir()):
+        wait_job(submit("srun true\n", work, "--megatrace=check=off", "-N1"))
+
+
+def _victims_file(user_dir: Path, test_user: pwd.struct_passwd) -> Path:
+    """A file of the victim's that the attacker picks as the target of a planted link."""
+    notes = user_dir / "notes"
+    notes.write_text("victim's notes\n")
+    os.chown(notes, test_user.pw_uid, test_user.pw_gid)
+    notes.chmod(0o600)
+    return notes
+
+
+# The attacker's loop: keep making the victim's node directory (and step-0) first, world-writable, with the
+# victim's meta file as a link to a file of the victim's; read whatever appears in it. Runs until STOP exists.
+ATTACK_LOOP = r"""
+import os, sys, time
+node_dir, target, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+made, seen = 0, []
+while not os.path.exists(stop):
+    for d in (node_dir, node_dir + "/step-0"):
+        try:
+            os.mkdir(d, 0o777)
+            os.chmod(d, 0o777)
+            made += 1
+        except OSError:
+            pass
+        try:
+            os.symlink(target, d + "/rank-00000.meta.jsonl")
+        except OSError:
+            pass
+    for root, _, files in os.walk(node_dir):
+        for f in files:
+            try:
+                with open(os.path.join(root, f), "rb") as fh:
+                    if fh.read(1):
+                        seen.append(os.path.join(root, f))
+            except OSError:
+                pass
+    time.sleep(0.001)
+print(made, len(set(seen)), sorted(set(seen))[:5], flush=True)
+"""
+
+# One rank of a traced job as the tracer starts it: the settings the plugin gave the task, the real RingWriter
+# (a directory it does not accept turns tracing off; the job goes on). System Python: see USER_PYTHON.
+TRACER_STEP = """srun -N1 -n1 env PYTHONPATH={pkg} {python} -c '
+from megatrace.trace.settings import TracerSettings
+from megatrace.trace.ring_writer import RingIdentity, RingWriter
+s = TracerSettings.from_env()
+try:
+    w = RingWriter(s.directory, RingIdentity(rank=0, world_size=1, job_id=s.job_id, step_id=s.step_id))
+    w.write_meta("env", vars={{"NCCL_DEBUG": "INFO"}})
+    w.complete(w.begin(1, 1, 1, 4))
+    w.close()
+    print("traced into", s.directory)
+except OSError as exc:
+    print("not traced:", exc)
+print("trained")'
+"""
+
+
+def _owned_by(root: Path, uid: int) -> list[Path]:
+    return [p for p in [root, *root.rglob("*")] if p.lstat().st_uid == uid] if root.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base_mode", [0o755, 0o1777], ids=["base-0755", "old-base-1777"])
+def test_another_user_racing_the_prolog_for_the_node_directory_gets_nothing_of_the_victims(
+        lab, test_user, attacker, user_dir, user_pkg, protected_symlinks, base_mode):
+    """Item 1: the attacker's loop runs while the victim's prolog makes the node directory. The base is root's
+    0755 (as the plugin and prolog make it now: nobody else can make a name in it) or an old 1777 one."""
+    target = _victims_file(user_dir, test_user)
+    _product_bases(user_dir)
+    product_mode = SHM_BASE.stat().st_mode & 0o7777
+    if base_mode == 0o755:
+        assert (SHM_BASE.stat().st_uid, product_mode) == (0, 0o755)  # as the plugin and prolog make it
+    SHM_BASE.chmod(base_mode)
+    stop = Path(f"/tmp/megatrace-attack-stop-{os.getpid()}")
+    job = submit(TRACER_STEP.format(pkg=user_pkg, python=USER_PYTHON), user_dir, "--megatrace=check=off", "-N1",
+                 "-w", "n1", "--hold", user=TEST_USER)
+    node_dir = SHM_BASE / f"job-{job}.n1"
+    loop = subprocess.Popen(["runuser", "-u", ATTACKER, "--", USER_PYTHON, "-c", ATTACK_LOOP, str(node_dir),
+                             str(target), str(stop)], stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)  # the loop is running
+        _run(["scontrol", "release", job])
+        info = wait_job(job, timeout=180)
+    finally:
+        stop.touch()
+        said = loop.communicate(timeout=60)[0]
+        stop.unlink()
+        SHM_BASE.chmod(product_mode)
+    made, reads = said.split()[:2]
+    text = output(user_dir, job)
+    assert info["JobState"] == "COMPLETED" and "trained" in text, text  # traced or not, training went on
+    assert target.read_text() == "victim's notes\n"  # nothing written through the planted link
+    assert reads == "0", f"the attacker read the victim's files: {said}"
+    if base_mode == 0o755:  # nobody but root can make a name in the base: the attack cannot even start
+        assert made == "0" and "traced into" in text, (said, text)
+        rings = user_dir / f"megatrace-{job}" / "step-0" / "rings"
+        assert sorted(p.name for p in rings.iterdir()) == ["rank-00000.meta.jsonl", "rank-00000.ring"]
+        for p in rings.iterdir():
+            st = p.stat()
+            assert st.st_uid == test_user.pw_uid and st.st_mode & 0o777 == 0o600, (p, oct(st.st_mode))
+    # Whoever won, nothing of the victim's lies in a directory of the attacker's.
+    for d in SHM_BASE.glob(f"job-{job}.*"):
+        if d.lstat().st_uid == attacker.pw_uid:
+            assert not _owned_by(d, test_user.pw_uid), list(d.rglob("*"))
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_job_directory_and_fallback_another_user_planted_are_never_used(
+        lab, test_user, attacker, user_dir, shared_dir, protected_symlinks):
+    """Item 3: the attacker makes the victim's job directory (in a shared sticky directory) and the old fallback
+    name first, world-writable, with .agents/exits/<node> as a link to a file of the victim's."""
+    target = _victims_file(user_dir, test_user)
+    work = shared_dir / "victim"
+    work.mkdir()
+    os.chown(work, test_user.pw_uid, test_user.pw_gid)
+    script = ("echo out=$MEGATRACE_OUT_DIR\n"
+              "srun -N1 -n1 bash -c 'mkdir -p $MEGATRACE_DIR && echo x > $MEGATRACE_DIR/rank-00000.ring'\n")
+    job = submit(script, work, f"--megatrace=dir={shared_dir}/megatrace-run", "-N1", "-w", "n1", "--hold",
+                 user=TEST_USER)
+    _product_bases(work)
+    planted = [shared_dir / "megatrace-run", FALLBACK_BASE / f"megatrace-{job}",
+               FALLBACK_BASE / str(test_user.pw_uid)]
+    plant = ("import os, sys\nfor d in sys.argv[2:]:\n    try:\n        os.makedirs(d + '/.agents/exits', 0o777)\n"
+             "        for x in (d, d + '/.agents', d + '/.agents/exits'): os.chmod(x, 0o777)\n"
+             "        os.symlink(sys.argv[1], d + '/.agents/exits/n1'); print('planted', d)\n"
+             "    except OSError as e: print('refused', d, e.strerror)\n")
+    done = _as(ATTACKER, [USER_PYTHON, "-c", plant, str(target), *map(str, planted)])
+    assert f"planted {planted[0]}" in done.stdout, done.stdout + done.stderr
+    assert f"refused {planted[2]}" in done.stdout  # the fallback base is root's 0755: no name of the attacker's
+    try:
+        _run(["scontrol", "release", job])
+        info = wait_job(job)
+        text = output(work, job)
+        assert info["JobState"] == "COMPLETED", text
+        fallback = FALLBACK_BASE / str(test_user.pw_uid) / f"megatrace-{job}"
+        assert f"out={fallback}" in text and f"job directory {planted[0]} belongs to another user" in text, text
+        assert target.read_text() == "victim's notes\n"
+        for d in planted[:2]:
+            assert not _owned_by(d, test_user.pw_uid), f"the victim wrote into the attacker's {d}"
+        assert (fallback / "step-0" / "rings" / "rank-00000.ring").exists()
+        assert {p.lstat().st_uid for p in [fallback, *fallback.rglob("*")]} == {test_user.pw_uid}
+        assert fallback.stat().st_mode & 0o777 == 0o700
+    finally:
+        for d in planted[:2]:
+            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(FALLBACK_BASE / str(test_user.pw_uid) / f"megatrace-{job}", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_an_untraced_jobs_epilog_never_copies_a_node_directory_another_user_planted(
+        lab, test_user, attacker, user_dir, protected_symlinks):
+    """Item 4: in an old 1777 base the attacker makes job-<id>.<node> for the victim's untraced job; the epilog
+    copied it into the victim's directory with its modes (0666), where the attacker could still edit it."""
+    _product_bases(user_dir)
+    product_mode = SHM_BASE.stat().st_mode & 0o7777
+    SHM_BASE.chmod(0o1777)
+    try:
+        job = submit("true\n", user_dir, "-N1", "-w", "n1", "--hold", user=TEST_USER)
+        node_dir = SHM_BASE / f"job-{job}.n1"
+        plant = (f"import os\nos.makedirs({str(node_dir / 'step-0')!r}, 0o777)\n"
+                 f"p = {str(node_dir / 'step-0' / 'rank-00000.ring')!r}\nopen(p, 'w').write('x')\nos.chmod(p, 0o666)\n")
+        assert _as(ATTACKER, [USER_PYTHON, "-c", plant]).returncode == 0
+        _run(["scontrol", "release", job])
+        assert wait_job(job)["JobState"] == "COMPLETED"
+    finally:
+        SHM_BASE.chmod(product_mode)
+    assert not (user_dir / f"megatrace-{job}").exists()
+    assert (node_dir / "step-0" / "rank-00000.ring").exists()  # not the epilog's to remove either
+    shutil.rmtree(node_dir, ignore_errors=True)
+
+
+def test_outside_slurm_each_user_traces_into_a_base_of_their_own(test_user, attacker, user_pkg):
+    """Item 6: the first user made /dev/shm/megatrace 0755; the second could read the first one's meta (the
+    environment) and could not trace at all. Both here trace job "local" on the same node."""
+    code = ("import os\nfrom megatrace.trace.ring_writer import RingIdentity, RingWriter\n"
+            "from megatrace.trace.settings import TracerSettings\n"
+            "s = TracerSettings.from_env({'MEGATRACE_JOB_ID': 'local'})\n"
+            "w = RingWriter(s.directory, RingIdentity(rank=0, world_size=1))\n"
+            "w.write_meta('env', vars={'NCCL_SOCKET_IFNAME': os.environ['USER']}); w.close(); print(w.meta_path)\n")
+    metas = []
+    for user in (TEST_USER, ATTACKER):
+        done = _as(user, ["env", f"USER={user}", f"PYTHONPATH={user_pkg}", USER_PYTHON, "-c", code], cwd="/")
+        assert done.returncode == 0 and "tracing is off" not in done.stderr, done.stderr
+        metas.append(Path(done.stdout.strip()))
+    try:
+        mine, theirs = metas
+        assert mine.parent.parent.name == f"megatrace-{test_user.pw_uid}"
+        assert theirs.parent.parent.name == f"megatrace-{attacker.pw_uid}"
+        for meta, owner in ((mine, test_user), (theirs, attacker)):
+            assert meta.stat().st_uid == owner.pw_uid and meta.stat().st_mode & 0o777 == 0o600
+            assert meta.parent.parent.stat().st_mode & 0o777 == 0o700
+        peek = _as(ATTACKER, ["cat", str(mine)])
+        assert peek.returncode != 0 and TEST_USER not in peek.stdout
+    finally:
+        for meta in metas:
+            shutil.rmtree(meta.parent.parent, ignore_errors=True)
+
+
+def test_a_long_ld_preload_of_the_user_is_kept_behind_the_interposer(lab, tmp_path):
+    """Item 9: an LD_PRELOAD longer than 8,191 bytes made spank_getenv fail and was replaced by the interposer."""
+    lib = "/lib/x86_64-linux-gnu/libm.so.6"
+    if not Path(lib).exists():
+        pytest.skip(f"no {lib}")
+    preload = ":".join([lib] * 700)  # about 20 KB of real, loadable entries
+    script = "srun -N1 -n1 bash -c 'echo \"${#LD_PRELOAD}\"; echo \"${LD_PRELOAD%%:*}\"'\n"
+    job = submit(script, tmp_path, "--megatrace=check=off", "-N1", env=_clean_env(LD_PRELOAD=preload))
+    info = wait_job(job)
+    lines = output(tmp_path, job).splitlines()
+    assert info["JobState"] == "COMPLETED", lines
+    length, first = lines[-2], lines[-1]
+    assert first.endswith("libmegatrace_nccl.so"), first
+    assert int(length) == len(first) + 1 + len(preload)
+
+
+def test_the_epilog_finds_a_working_directory_with_blanks_in_its_name(lab, tmp_path):
+    """Item 9: the epilog cut WorkDir at its first blank (a MEGATRACE=1 job: no submit directory from the plugin)."""
+    work = tmp_path / "run 1 of 3"
+    work.mkdir()
+    job = submit("srun -N1 -n1 bash -c 'mkdir -p $MEGATRACE_DIR && echo x > $MEGATRACE_DIR/rank-00000.ring'\n",
+                 work, "-N1", "--export=ALL,MEGATRACE=1")
+    wait_job(job)
+    assert (work / f"megatrace-{job}" / "step-0" / "rings" / "rank-00000.ring").exists(), list(tmp_path.rglob("*"))
 
 
 # -- the demo job under sbatch --megatrace ----------------------------------------------------

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrace.analyze.findings import Finding, order_findings
+from megatrace.redact import redact_argv
 from megatrace.trace.environment import filter_env
 
 # Finding kinds that mean the job is stopped (a root cause of a hang).
@@ -154,7 +155,7 @@ def _per_rank(process: Mapping[int, Mapping[str, Any]] | None, hosts: Mapping[in
             if value is None or value == "":
                 continue
             if key == "argv" and isinstance(value, list):
-                value = " ".join(map(str, value))
+                value = " ".join(redact_argv(value))  # no credential from a command line in any output
             if isinstance(value, (dict, list)):
                 continue
             out.setdefault(key, {})[r] = value

@@ -39,10 +39,11 @@ __all__ = ["QUICK_TAIL", "GroupInfo", "LoadProblem", "NodeFacts", "ProcFact", "R
            "TraceLoadError", "TraceSet", "extend_tails", "fit_layout", "load_trace", "tail_gaps", "widen_tails"]
 from megatrace.analyze import liveness
 from megatrace.analyze.index import RecordIndex, index_records
-from megatrace.config import Layout, LayoutError, load_layout
+from megatrace.config import Layout, LayoutError, layout_from_dict
+from megatrace.files import open_input, read_fd, read_input, trusted_owner
 from megatrace.trace import ring_format as fmt
-from megatrace.trace.ring_reader import (RECORD_DTYPE, ReadProblem, RingFormatError, RingHeader, RingSnapshot,
-                                         open_budget, parse_header, read_meta, read_ring,
+from megatrace.trace.ring_reader import (META_LIMIT, RECORD_DTYPE, ReadProblem, RingFormatError, RingHeader,
+                                         RingSnapshot, open_budget, parse_header, read_meta, read_ring,
                                          read_tails)
 
 # Records per rank that a quick (hang-only) load reads. The hang analysis looks at each rank's newest
@@ -55,16 +56,27 @@ from megatrace.trace.ring_reader import (RECORD_DTYPE, ReadProblem, RingFormatEr
 QUICK_TAIL = 128
 WIDEN_DEPTHS = (4096, None)  # records per rank re-read for ranks whose tail was too short (None: all of it)
 
+SIDE_FILE_LIMIT = 16 << 20  # layout.yaml and procs.json are a few KiB
 RING_RE = re.compile(r"^rank-(\d+)\.ring$")
 EARLIER_RE = re.compile(r"^rank-(\d+)\.ring\.\d+$")
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    """A regular file, or a link to one that root or this user owns (another user's link is never followed)."""
+    if entry.is_symlink():
+        try:
+            return trusted_owner(entry.stat(follow_symlinks=False).st_uid) and entry.is_file()
+        except OSError:
+            return False
+    return entry.is_file(follow_symlinks=False)
 
 
 def _ring_files(directory: Path) -> tuple[list[Path], list[Path]]:
     """(ring files, earlier-attempt files), looking in DIR/rings, then DIR."""
     for candidate in (directory / "rings", directory):
-        if candidate.is_dir():
+        if candidate.is_dir() and (not candidate.is_symlink() or trusted_owner(candidate.lstat().st_uid)):
             with os.scandir(candidate) as it:  # names and file types in one pass: no stat per ring
-                entries = [(e.name, e.is_file()) for e in it]
+                entries = [(e.name, _is_file(e)) for e in it]
             rings = sorted(name for name, is_file in entries if is_file and RING_RE.match(name))
             if rings:
                 return ([candidate / name for name in rings],
@@ -73,9 +85,26 @@ def _ring_files(directory: Path) -> tuple[list[Path], list[Path]]:
 
 
 def _read_header(path: Path) -> RingHeader:
-    with open(path, "rb") as fh:
-        blob = fh.read(fmt.HEADER_SIZE)
-    return parse_header(str(path), blob)[0]
+    fd = open_input(path)
+    try:
+        return parse_header(str(path), os.pread(fd, fmt.HEADER_SIZE, 0))[0]
+    finally:
+        os.close(fd)
+
+
+def _foreign_owner(directory: Path, problems: list[LoadProblem]) -> None:
+    """Root analysing a directory another user owns: say so (their links are not followed, see docs/security.md)."""
+    if os.geteuid() != 0:
+        return
+    try:
+        uid = directory.stat().st_uid
+    except OSError:
+        return
+    if uid != 0:
+        problems.append(LoadProblem(
+            "info", "foreign-owner",
+            f"{directory} belongs to uid {uid} and is analysed as root: links and special files its owner "
+            "planted are not followed, and outputs replace what is there (docs/security.md)"))
 
 
 def _select(headers: dict[Path, RingHeader], problems: list[LoadProblem]) -> tuple[str, int, dict[int, Path]]:
@@ -197,17 +226,21 @@ def _groups(metas: dict[int, list[dict]], used: dict[int, set[int]],
 
 def _node_facts(directory: Path, problems: list[LoadProblem]) -> NodeFacts:
     path = directory / "procs.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         return NodeFacts()
     try:
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(read_input(path, SIDE_FILE_LIMIT))
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
         procs = {}
         for key, p in (data.get("ranks") or {}).items():
             procs[int(key)] = ProcFact(int(key), p.get("pid"), p.get("exit_code"), p.get("signal"),
                                        bool(p.get("killed_by_launcher", False)))
         return NodeFacts(procs, data.get("outcome"), data.get("message"))
     except (OSError, ValueError, TypeError, AttributeError) as exc:
-        problems.append(LoadProblem("warning", "procs", f"{path}: unreadable process facts ({exc}); ignored",
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        problems.append(LoadProblem("warning", "procs", f"{path}: unreadable process facts ({why[:200]}); ignored",
                                     paths=(str(path),)))
         return NodeFacts()
 
@@ -227,13 +260,33 @@ def _layout(directory: Path, layout: Layout | None, world: int, problems: list[L
     if layout is not None:
         return fit_layout(layout, world, "the given layout", problems)
     path = directory / "layout.yaml"
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
-        return fit_layout(load_layout(path), world, str(path), problems)
+        return fit_layout(_read_layout(path), world, str(path), problems)
     except LayoutError as exc:
         problems.append(LoadProblem("error", "layout", f"{exc}; analysing without a layout", paths=(str(path),)))
         return None
+
+
+def _read_layout(path: Path) -> Layout:
+    """``layout.yaml`` as a regular file (never another user's link); errors name the line, never quote it."""
+    import yaml
+
+    try:
+        text = read_input(path, SIDE_FILE_LIMIT).decode("utf-8")
+        data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except OSError as exc:
+        raise LayoutError(f"{path}: cannot read layout: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise LayoutError(f"{path}: cannot read layout: not UTF-8 text (byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise LayoutError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or 'parse error'}") from None
+    except RecursionError:
+        raise LayoutError(f"{path}: not valid YAML: nested too deeply") from None
+    return layout_from_dict(data, str(path))
 
 
 @dataclass
@@ -402,6 +455,7 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
         raise TraceLoadError(f"{directory}: not a MegaTrace trace directory: no ring files "
                              f"(rank-NNNNN.ring) in it or in its rings/ subdirectory")
     problems: list[LoadProblem] = []
+    _foreign_owner(directory, problems)
     if earlier:
         problems.append(LoadProblem(
             "info", "earlier-attempts",
@@ -433,7 +487,7 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
                              f"{name_list(unreadable, 3)}")
     tally.report(problems)
     present = [i.rank for i in infos]
-    missing = tuple(sorted(set(range(world)) - set(present)))
+    missing = tuple(np.setdiff1d(np.arange(world, dtype=np.int64), present).tolist())  # world <= MAX_WORLD_SIZE
     if missing:
         problems.append(LoadProblem(
             "warning", "missing-ranks",
@@ -516,7 +570,7 @@ def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None]]
             m = RING_RE.match(path.name)
             guess = _meta_path_str(int(m.group(1)) if m else -1, path)
             try:
-                early[guess] = os.open(guess, os.O_RDONLY)
+                early[guess] = open_input(guess)
             except OSError:
                 continue
             if _FADVISE:
@@ -604,7 +658,7 @@ def _read_metas(paths: list[str], data: list[bytes | None]) -> list[tuple[list[d
         blobs.append(lines)
     try:
         parsed = json.loads(b"[" + b",".join(distinct) + b"]") if distinct else []
-    except ValueError:  # some line is not JSON: parse line by line, the bad ones give None
+    except (ValueError, RecursionError):  # some line is not JSON (or nested too deep): line by line, bad ones None
         parsed = [_json_or_none(line) for line in distinct]
     fine = [isinstance(e, dict) and "kind" in e for e in parsed]
     out: list[tuple[list[dict], list[ReadProblem], bool]] = []
@@ -619,25 +673,18 @@ def _read_metas(paths: list[str], data: list[bytes | None]) -> list[tuple[list[d
 
 
 def _read_file(path: str) -> bytes:
-    """A small file's bytes (``os.read`` on a descriptor: half the cost of ``open().read()``)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _read_fd(fd)
-    finally:
-        os.close(fd)
+    """A meta file's bytes (``os.read`` on a descriptor: half the cost of ``open().read()``)."""
+    return read_input(path, META_LIMIT)
 
 
 def _read_fd(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 1 << 16):
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return read_fd(fd, META_LIMIT)
 
 
 def _json_or_none(line: bytes) -> object:
     try:
         return json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # read_meta reports the line
         return None
 
 

@@ -23,6 +23,8 @@ import numpy as np
 
 from megatrace.analyze.index import op_name
 from megatrace.analyze.traceset import TraceSet
+from megatrace.redact import redact_argv
+from megatrace.trace.environment import filter_env
 from megatrace.trace.ring_format import Op, State
 
 REPORT_DATA_VERSION = 1
@@ -57,6 +59,7 @@ def _ranks(trace: TraceSet, hang: Any) -> dict[str, Any]:
     names: list[str] = []
     name_ix: dict[str, int] = {}
     status = hang.status if hang is not None else {}
+    missing = set(trace.missing_ranks)  # a tuple: `in` on it per rank was quadratic in the world size
     for r in range(trace.world_size):
         h = trace.host_of(r)
         if h is None:
@@ -68,7 +71,7 @@ def _ranks(trace: TraceSet, hang: Any) -> dict[str, Any]:
         g = trace.gpu_of(r)
         gpu_col.append(-1 if g is None else int(g))
         s = status.get(r)
-        s = "missing" if r in trace.missing_ranks else (s.value if s is not None else "unknown")
+        s = "missing" if r in missing else (s.value if s is not None else "unknown")
         if s not in name_ix:
             name_ix[s] = len(names)
             names.append(s)
@@ -196,6 +199,10 @@ def _job(trace: TraceSet) -> dict[str, Any]:
                 for key in ("argv", "torch", "backend"):
                     if entry.get(key):
                         out[key] = entry[key]
+                if isinstance(out.get("argv"), list):
+                    out["argv"] = redact_argv(out["argv"])
             elif entry.get("kind") == "env" and isinstance(entry.get("vars"), dict):
-                out["env"] = {k: str(v) for k, v in sorted(entry["vars"].items()) if k.startswith(JOB_ENV_PREFIXES)}
+                # filter_env again: a trace written by an older tracer (or by hand) may hold credentials
+                out["env"] = {k: v for k, v in sorted(filter_env(entry["vars"]).items())
+                              if k.startswith(JOB_ENV_PREFIXES)}
     return out

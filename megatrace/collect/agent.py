@@ -83,6 +83,7 @@ class RankObservation:
     anchor_wall_ns: int = 0
     anchor_mono_ns: int = 0
     host: str = ""
+    job_id: str = ""
 
     def to_wall_ns(self, mono_ns: int) -> int:
         return self.anchor_wall_ns + (mono_ns - self.anchor_mono_ns)
@@ -117,7 +118,7 @@ def observe(snap: Any, name: str | None = None) -> RankObservation:
             first = comm[0]
             since, op = int(first["t_enqueue"]), _op_name(int(first["op"]))
     return RankObservation(h.rank, h.pid, name or os.path.basename(h.path), h.closed_cleanly, h.write_counter, last,
-                           since, op, h.anchor_wall_ns, h.anchor_mono_ns, h.host)
+                           since, op, h.anchor_wall_ns, h.anchor_mono_ns, h.host, h.job_id)
 
 
 def assess_rank(obs: RankObservation, now_ns: int, hang_timeout_s: float, alive: bool | None = None) -> RankVerdict:
@@ -207,12 +208,15 @@ def _ring_names(dir_fd: int) -> list[str]:
 
 
 def scan(ring_dir: str | None, now_ns: int, hang_timeout_s: float,
-         liveness: Callable[[int, int], bool | None] | None = None,
-         node: str | None = None) -> tuple[list[RankVerdict], list[RankObservation]]:
+         liveness: Callable[..., bool | None] | None = None,
+         node: str | None = None, job_id: str | None = None,
+         uid: int | None = None) -> tuple[list[RankVerdict], list[RankObservation]]:
     """Read the tail of every ring of ``ring_dir`` and assess each rank; unreadable rings are skipped.
 
     ``node``: keep only the rings this node wrote when the directory also holds other nodes' (see
-    :func:`megatrace.collect.node.foreign_files`).
+    :func:`megatrace.collect.node.foreign_files`). ``job_id``: keep only the rings whose header names
+    this job. ``uid``: the job's user: a directory someone else owns is not read at all, and each ring
+    writer's pid is checked to run as that user (``liveness(pid, anchor, uid)``).
 
     Each ring is opened without following links (the agent may run as root) and read through its
     descriptor (``/proc/self/fd/N``), so a file swapped for a link after the listing is not followed either.
@@ -229,6 +233,9 @@ def scan(ring_dir: str | None, now_ns: int, hang_timeout_s: float,
     except OSError:
         return verdicts, observations
     try:
+        owner = os.fstat(dfd).st_uid
+        if uid is not None and owner != uid:
+            return verdicts, observations
         for name in _ring_names(dfd):
             try:
                 fd = safefs.open_regular(dfd, name)
@@ -240,7 +247,9 @@ def scan(ring_dir: str | None, now_ns: int, hang_timeout_s: float,
                 continue
             finally:
                 os.close(fd)
-            alive = liveness(obs.pid, obs.anchor_mono_ns) if liveness else None
+            if job_id and obs.job_id != job_id:
+                continue  # another job's ring (a stale or planted one): not this job's rank
+            alive = liveness(obs.pid, obs.anchor_mono_ns, owner) if liveness else None
             observations.append(obs)
             verdicts.append(assess_rank(obs, now_ns, hang_timeout_s, alive))
             hosts[name] = obs.host
@@ -253,13 +262,14 @@ def scan(ring_dir: str | None, now_ns: int, hang_timeout_s: float,
     return verdicts, observations
 
 
-def pid_alive(pid: int, anchor_mono_ns: int) -> bool | None:
-    """Whether the ring's writer still runs; None when this agent cannot see pids (another namespace)."""
+def pid_alive(pid: int, anchor_mono_ns: int, uid: int | None = None) -> bool | None:
+    """Whether the ring's writer still runs (as ``uid``, the ring's owner); None when this agent cannot see
+    pids (another namespace)."""
     if pid <= 0:
         return None
     if not os.path.exists("/proc/self"):
         return None
-    return bool(process_facts(pid, anchor_mono_ns).get("alive"))
+    return bool(process_facts(pid, anchor_mono_ns, uid).get("alive"))
 
 
 @dataclass
@@ -280,6 +290,7 @@ class AgentConfig:
     nodes: list[str] | None = None  # the job's nodes (SLURM_JOB_NODELIST): each one's agent must be heard
     out_dir: str | None = None  # the bundle directory of its collections [default: the collector's]
     timelimit_lead_s: float | None = TIMELIMIT_LEAD_S  # under Slurm: collect this long before the time limit
+    only_job: bool = True  # watch only rings whose header names job_id (False: --job-id was not given)
 
 
 class Agent:
@@ -308,8 +319,13 @@ class Agent:
         from megatrace.collect.node import has_rings, job_ring_dirs
 
         env = os.environ.get("MEGATRACE_DIR")
-        found = job_ring_dirs(self.cfg.job_id)
+        found = job_ring_dirs(self.cfg.job_id, uid=self.job_uid)
         return list(dict.fromkeys(([env] if env and has_rings(env) else []) + found))
+
+    @property
+    def job_uid(self) -> int:
+        """The job's user: whose ring directories and processes this agent watches."""
+        return self.cfg.owner[0] if self.cfg.owner else os.geteuid()
 
     # -- signals ---------------------------------------------------------------
     def install_signals(self) -> None:
@@ -324,7 +340,8 @@ class Agent:
         now = time.monotonic_ns()
         verdicts, obs = [], []
         for ring_dir in self.ring_dirs():
-            v, o = scan(ring_dir, now, cfg.hang_timeout_s, pid_alive, cfg.node)
+            v, o = scan(ring_dir, now, cfg.hang_timeout_s, pid_alive, cfg.node, cfg.job_id if cfg.only_job else None,
+                        self.job_uid)
             verdicts += v
             obs += o
         verdicts = self._exit_grace(verdicts, obs, now)

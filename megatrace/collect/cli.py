@@ -47,7 +47,8 @@ collection.json, rings/, nodes/<node>.json, procs.json, findings.json, summary.t
 @click.option("--job-id", envvar=["MEGATRACE_JOB_ID", "SLURM_JOB_ID"], show_envvar=True,
               help="Job id (names the bundle; finds the default ring directory) [default: local].")
 @click.option("--ring-dir", help="This node's trace directory; %n is replaced by the node name [default: "
-              "$MEGATRACE_DIR when it holds rings, else the newest /dev/shm/megatrace/<job>[.<step>] that does].")
+              "$MEGATRACE_DIR when it holds rings, else the newest /dev/shm/megatrace-<uid>/<job>[.<step>] of this "
+              "user that does].")
 @click.option("--node", envvar="MEGATRACE_NODE_NAME", show_envvar=True,
               help="This node's name [default: SLURMD_NODENAME, else the host name].")
 @click.option("--out", type=click.Path(file_okay=False), help="Bundle directory [default: see below].")
@@ -161,7 +162,8 @@ Under Slurm the agents also collect --timelimit-lead seconds before the job's ti
 Signals: USR1 = collect now (trigger timelimit); TERM/INT = stop watching.
 """)
 @click.option("--ring-dir", help="This node's trace directory [default: $MEGATRACE_DIR when it holds rings, "
-              "and every /dev/shm/megatrace/<job>[.<step>] with rings, looked up on every poll].")
+              "and every /dev/shm/megatrace-<uid>/<job>[.<step>] of this user with rings, looked up on every "
+              "poll]. Only rings whose header names --job-id (when given) are watched.")
 @click.option("--node", envvar="MEGATRACE_NODE_NAME", show_envvar=True,
               help="This node's name [default: SLURMD_NODENAME, else the host name].")
 @click.option("--job-id", envvar=["MEGATRACE_JOB_ID", "SLURM_JOB_ID"], show_envvar=True,
@@ -230,7 +232,7 @@ def agent(ring_dir: str | None, node: str | None, job_id: str | None, job_dir: s
                       exit_when_done=not os.environ.get("SLURM_JOB_ID") if exit_when_done is None else exit_when_done,
                       max_runtime_s=max_runtime, once=once, owner=owner,
                       nodes=_expected(nodes), out_dir=os.path.abspath(out) if out else None,
-                      timelimit_lead_s=timelimit_lead or None)
+                      timelimit_lead_s=timelimit_lead or None, only_job=job_id is not None)
     try:
         watcher = Agent(cfg, log=lambda msg: click.echo(msg, err=True))
     except OSError as exc:

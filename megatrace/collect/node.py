@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -52,9 +53,6 @@ class NodeSnapshot:
     error: str | None = None  # the trace directory itself could not be read
 
 
-SHM_BASE = "/dev/shm/megatrace"
-
-
 def has_rings(path: str) -> bool:
     try:
         return any(TRACE_FILE_RE.match(n) for n in os.listdir(path))
@@ -62,26 +60,38 @@ def has_rings(path: str) -> bool:
         return False
 
 
-def job_ring_dirs(job_id: str | None, base: str = SHM_BASE) -> list[str]:
-    """Every ``<base>/<job>`` and ``<base>/<job>.<step>`` holding ring files, newest first."""
+def job_ring_dirs(job_id: str | None, base: str | None = None, uid: int | None = None) -> list[str]:
+    """Every ``<base>/<job>`` and ``<base>/<job>.<step>`` holding ring files, newest first.
+
+    ``base``: the tracer's default (:func:`megatrace.trace.settings.default_base` of ``uid``). Only real
+    directories (not links) that ``uid`` owns count [default: this process's user]: a directory another
+    user named after the job (``<job>.evil``) is never watched or collected.
+    """
     if not job_id:
         return []
+    uid = os.geteuid() if uid is None else uid
+    if base is None:
+        from megatrace.trace.settings import default_base
+
+        base = str(default_base(uid))
     try:
         names = [n for n in os.listdir(base) if n == job_id or n.startswith(job_id + ".")]
     except OSError:
         return []
-
-    def mtime(name: str) -> float:
+    owned: dict[str, float] = {}
+    for name in names:
         try:
-            return os.stat(os.path.join(base, name), follow_symlinks=False).st_mtime
+            st = os.stat(os.path.join(base, name), follow_symlinks=False)
         except OSError:
-            return 0.0
-    paths = [os.path.join(base, n) for n in sorted(names, key=mtime, reverse=True)]
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+            owned[name] = st.st_mtime
+    paths = [os.path.join(base, n) for n in sorted(owned, key=owned.__getitem__, reverse=True)]
     return [p for p in paths if has_rings(p)]
 
 
 def default_ring_dir(job_id: str | None = None) -> str | None:
-    """``$MEGATRACE_DIR`` when it holds rings, else the newest ``/dev/shm/megatrace/<job>[.<step>]`` that does.
+    """``$MEGATRACE_DIR`` when it holds rings, else the newest ``/dev/shm/megatrace-<uid>/<job>[.<step>]`` that does.
 
     (Under the SPANK plugin, the collector's and the agent's own steps get a ``MEGATRACE_DIR`` of their
     own, empty step: the training step's directory is then found by the job id.)
@@ -117,12 +127,17 @@ def describe_ring(name: str, blob: bytes) -> dict[str, Any]:
     return out
 
 
-def read_trace_dir(ring_dir: str) -> tuple[dict[str, bytes], list[dict[str, str]]]:
-    """(files, skipped): every trace file of ``ring_dir``; what could not be read is in ``skipped``."""
+def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[dict[str, bytes], list[dict[str, str]]]:
+    """(files, skipped): every trace file of ``ring_dir``; what could not be read is in ``skipped``.
+
+    ``owner``, when given, receives the uid that owns the directory: the user whose processes wrote it.
+    """
     files: dict[str, bytes] = {}
     skipped: list[dict[str, str]] = []
     dfd = safefs.open_dir(ring_dir)
     try:
+        if owner is not None:
+            owner.append(os.fstat(dfd).st_uid)
         for name in safefs.list_dir(dfd):
             m = TRACE_FILE_RE.match(name)
             if not m:
@@ -168,10 +183,24 @@ def _read_proc(pid: int, name: str) -> bytes | None:
         return None
 
 
-def process_facts(pid: int, ring_anchor_mono_ns: int | None = None) -> dict[str, Any]:
-    """State of process ``pid`` from /proc; ``alive`` False when it is gone (or is a reused pid)."""
+def process_facts(pid: int, ring_anchor_mono_ns: int | None = None, uid: int | None = None) -> dict[str, Any]:
+    """State of process ``pid`` from /proc; ``alive`` False when it is gone (or is a reused pid).
+
+    ``uid``: the user the ring's writer ran as (the ring directory's owner). A pid taken from a ring header
+    is only a claim: a process of another user is never looked into (nor handed to py-spy).
+    """
+    if pid <= 0:
+        return {"pid": pid, "alive": False}
+    if uid is not None:
+        try:
+            owner = os.stat(f"/proc/{pid}").st_uid
+        except OSError:
+            return {"pid": pid, "alive": False}
+        if owner != uid:
+            return {"pid": pid, "alive": False, "note": f"pid runs as uid {owner}, not the ring's writer "
+                                                        f"(uid {uid}): not looked into"}
     stat_raw = _read_proc(pid, "stat")
-    if pid <= 0 or stat_raw is None:
+    if stat_raw is None:
         return {"pid": pid, "alive": False}
     text = stat_raw.decode("utf-8", "replace")
     rest = text[text.rfind(")") + 2:].split()
@@ -321,10 +350,13 @@ def snapshot_node(ring_dir: str | None, node: str | None = None, stacks: bool = 
     if ring_dir is None:
         snap.error = "no trace directory (give --ring-dir, or set MEGATRACE_DIR or SLURM_JOB_ID)"
     else:
+        owner: list[int] = []
         try:
-            snap.files, facts["skipped"] = read_trace_dir(ring_dir)
+            snap.files, facts["skipped"] = read_trace_dir(ring_dir, owner)
         except OSError as exc:
             snap.error = f"{ring_dir}: {exc.strerror or exc}"
+        if owner:
+            facts["ring_dir_uid"] = owner[0]
     if snap.error:
         facts["error"] = snap.error
     rings = [describe_ring(name, blob) for name, blob in sorted(snap.files.items())
@@ -339,7 +371,7 @@ def snapshot_node(ring_dir: str | None, node: str | None = None, stacks: bool = 
     for ring in rings:
         pid = ring.get("pid")
         if isinstance(pid, int) and pid > 0 and str(pid) not in procs:
-            procs[str(pid)] = process_facts(pid, ring.get("anchor_mono_ns"))
+            procs[str(pid)] = process_facts(pid, ring.get("anchor_mono_ns"), facts.get("ring_dir_uid"))
     facts["procs"] = procs
     if system:
         facts["gpu"] = gpu_facts()

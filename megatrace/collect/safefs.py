@@ -1,14 +1,16 @@
 """File access that is safe when run as root over directories a user controls.
 
 The collector and the agent may run as root (from a prolog or epilog) while the
-ring directory (``/dev/shm/megatrace/<job>``) and the job directory belong to
-the job's user. Nothing here follows a symbolic link that a non-root user could
-have planted: directories are walked one component at a time with
-``O_NOFOLLOW``, and only links owned by root (``/dev/shm -> /run/shm`` on some
-systems) are followed. Files are opened relative to the directory's descriptor
-with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO cannot block the reader) and must be
-regular files. New files are created with ``O_EXCL``, so an existing name,
-link or not, is never written through.
+ring directory (``/dev/shm/megatrace/job-<id>.<node>``) and the job directory belong to
+the job's user. Nothing here follows a symbolic link that another user could
+have planted (the rules are :mod:`megatrace.files`'): directories are walked one
+component at a time with ``O_NOFOLLOW``, and only links owned by root (``/dev/shm ->
+/run/shm`` on some systems) or by this process's own user are followed. Files are
+opened relative to the directory's descriptor with ``O_NOFOLLOW | O_NONBLOCK`` (a
+FIFO cannot block the reader) and must be regular files. New files are created
+with ``O_EXCL``, so an existing name, link or not, is never written through, and
+an existing directory is used only when this user, root or the owner files are
+given to owns it and others cannot write in it.
 """
 
 from __future__ import annotations
@@ -18,55 +20,10 @@ import os
 import stat
 from pathlib import Path
 
+from megatrace.files import UnsafePathError, open_dir, open_input, read_fd
+
+__all__ = ["OutDir", "UnsafePathError", "list_dir", "open_dir", "open_regular", "owner_of", "read_file"]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_MAX_LINKS = 16
-
-
-class UnsafePathError(OSError):
-    """A path crosses a link or file type that we refuse to follow."""
-
-
-def open_dir(path: str | os.PathLike[str]) -> int:
-    """A descriptor for directory ``path``, reached without following links a non-root user owns.
-
-    Raises :class:`UnsafePathError` for such a link (or a non-directory), OSError otherwise.
-    """
-    return _walk(os.path.abspath(os.fspath(path)), 0)
-
-
-def _walk(path: str, depth: int) -> int:
-    if depth > _MAX_LINKS:
-        raise UnsafePathError(errno.ELOOP, f"{path}: too many levels of symbolic links")
-    fd = os.open("/", _DIR_FLAGS)
-    try:
-        parts = [p for p in path.split("/") if p and p != "."]
-        walked = ""
-        for i, part in enumerate(parts):
-            if part == "..":
-                raise UnsafePathError(errno.EINVAL, f"{path}: '..' in a collector path")
-            walked += "/" + part
-            st = os.stat(part, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                if st.st_uid != 0:
-                    raise UnsafePathError(errno.ELOOP, f"{walked}: a symbolic link owned by uid {st.st_uid}; "
-                                                       "not followed")
-                target = os.readlink(part, dir_fd=fd)
-                base = "/" + "/".join(parts[:i])
-                rest = "/".join(parts[i + 1:])
-                resolved = os.path.normpath(os.path.join(base, target, rest))
-                os.close(fd)
-                fd = -1
-                return _walk(resolved, depth + 1)
-            if not stat.S_ISDIR(st.st_mode):
-                raise UnsafePathError(errno.ENOTDIR, f"{walked}: not a directory")
-            nfd = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-        out, fd = fd, -1
-        return out
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def list_dir(dir_fd: int) -> list[str]:
@@ -80,41 +37,25 @@ def list_dir(dir_fd: int) -> list[str]:
 
 
 def open_regular(dir_fd: int, name: str) -> int:
-    """A read-only descriptor of regular file ``name`` in ``dir_fd``; a link or another file type is refused.
+    """A read-only descriptor of regular file ``name`` in ``dir_fd``; another user's link or another file
+    type is refused (:func:`megatrace.files.open_input`).
 
     ``/proc/self/fd/<fd>`` then reaches exactly this file, for readers that take a path.
     """
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafePathError(errno.ELOOP, f"{name}: a symbolic link; not followed") from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UnsafePathError(errno.EINVAL, f"{name}: not a regular file")
-    return fd
+    return open_input(name, dir_fd=dir_fd)
 
 
 def read_file(dir_fd: int, name: str, limit: int) -> bytes:
-    """The bytes of regular file ``name`` in ``dir_fd`` (no link followed), at most ``limit`` of them.
+    """The bytes of regular file ``name`` in ``dir_fd`` (no link of another user followed), at most ``limit``.
 
-    Raises :class:`UnsafePathError` for a link or a non-regular file, OSError on read errors.
+    Raises :class:`UnsafePathError` for such a link or a non-regular file, OSError on read errors.
     """
     fd = open_regular(dir_fd, name)
     try:
         st = os.fstat(fd)
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"{name}: {st.st_size} bytes, more than the limit of {limit}")
-        chunks = []
-        left = limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 22))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, limit, name)
     finally:
         os.close(fd)
 
@@ -144,6 +85,23 @@ class OutDir:
             self.created = created
         finally:
             os.close(parent_fd)
+        if not created:
+            self._check_existing()
+
+    def _check_existing(self) -> None:
+        """An existing directory is written into only when root, this user or ``owner`` owns it and
+        nobody else can write in it (a job directory someone else planted is refused)."""
+        st = os.fstat(self.fd)
+        owners = {0, os.geteuid()} | ({self.owner[0]} if self.owner else set())
+        problem = None
+        if st.st_uid not in owners:
+            problem = f"owned by uid {st.st_uid}"
+        elif st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            problem = f"writable by everyone (mode {stat.S_IMODE(st.st_mode):04o})"
+        if problem:
+            os.close(self.fd)
+            self.fd = -1
+            raise UnsafePathError(errno.EPERM, f"{self.path}: {problem}; not written into")
 
     def _chown(self, fd: int) -> None:
         if self.owner is not None and os.geteuid() == 0:

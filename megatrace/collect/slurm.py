@@ -129,17 +129,45 @@ def run_collect(job_id: str, job_dir: str, trigger: str = "end", nodes: int | No
     return subprocess.run(cmd, capture_output=True, text=True, timeout=2 * timeout_s + 60)
 
 
-def job_fields(job_id: str, scontrol: str = "scontrol") -> dict[str, str]:
-    """``scontrol show job -o JOB`` as a dict (empty when it cannot be read).
+# Fields that `scontrol show job` prints alone on their line (or last on the first line, JobName): their values
+# may hold blanks (a StdOut path with spaces) and are taken whole, never split into words.
+WHOLE_LINE_FIELDS = ("Command", "WorkDir", "AdminComment", "Comment", "StdErr", "StdIn", "StdOut", "Power")
 
-    Only the words up to the first one-line free-text field are reliable (Comment, Command and the
-    like may hold blanks), which covers the ids, times and paths used here."""
+
+def job_fields(job_id: str, scontrol: str = "scontrol") -> dict[str, str]:
+    """``scontrol show job JOB`` as a dict (empty when it cannot be read): see :func:`parse_job_record`."""
     try:
-        out = subprocess.run([scontrol, "show", "job", "-o", job_id], capture_output=True, text=True,
+        out = subprocess.run([scontrol, "show", "job", job_id], capture_output=True, text=True,
                              timeout=SCONTROL_TIMEOUT_S).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
-    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+    return parse_job_record(out)
+
+
+def parse_job_record(text: str) -> dict[str, str]:
+    """The fields of one job in ``scontrol show job`` (multi-line) output, never split at a blank inside a value.
+
+    JobName (last on the first line) and the fields of :data:`WHOLE_LINE_FIELDS` are taken to the end of
+    their line; the other lines hold blank-free ``Key=Value`` words. The first value of a key wins, so a
+    job name cannot stand in for a field printed after it.
+    """
+    fields: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines()):
+        line = raw.strip()
+        if number == 0 and " JobName=" in line:
+            head, _, name = line.partition(" JobName=")
+            fields.update(item.split("=", 1) for item in head.split() if "=" in item)
+            fields["JobName"] = name
+            continue
+        key, eq, value = line.partition("=")
+        if eq and key in WHOLE_LINE_FIELDS:
+            fields.setdefault(key, value)
+            continue
+        for item in line.split():
+            if "=" in item:
+                k, v = item.split("=", 1)
+                fields.setdefault(k, v)
+    return fields
 
 
 def end_time(fields: Mapping[str, str]) -> float | None:

@@ -2,9 +2,15 @@
 
 Delivery is a generic webhook (one JSON POST per alert, so Slack, Feishu, Teams
 or PagerDuty bridges can take it), a command hook (the JSON on stdin) and a
-Prometheus textfile. Nothing here may block a check or a job: every delivery
-runs under a timeout, a receiver that is down costs at most that timeout, and
-failures are returned, never raised.
+Prometheus textfile. Nothing here may block a check or a job: all the deliveries of
+one dispatch share one deadline (``deadline_s``, each also bounded by ``timeout_s``),
+and failures are returned, never raised.
+
+An alert counts as sent (for deduplication and the hourly limit) only once a receiver
+took it: the decision is recorded before delivery, so that two concurrent checks do not
+both send, and turned back into "not sent" when delivery fails or the deadline passed,
+so that the next check tries again. Messages never show a receiver's URL beyond its
+host (:func:`megatrace.redact.redact_text`): webhook URLs carry their token.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 from megatrace.config import read_yaml
 from megatrace.files import write_atomic
 from megatrace.fleet.history import History
+from megatrace.redact import redact_text
 
 LEVELS = ("P0", "P1", "P2", "P3")  # P0 most urgent
 
@@ -52,7 +59,8 @@ class AlertConfig:
     webhook_url: str | None = None
     command: tuple[str, ...] = ()
     prom_textfile: str | None = None
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # one delivery (webhook, then command)
+    deadline_s: float = 15.0  # all the deliveries of one check together: slurmd gives the whole check 60 s
 
 
 @dataclass
@@ -92,7 +100,7 @@ def load_alert_config(path: str | Path | None) -> AlertConfig:
     if not isinstance(data, dict):
         raise AlertConfigError(f"{path}: expected a mapping")
     known = {"levels", "min_level", "dedupe_window_s", "max_per_hour", "webhook", "command", "prom_textfile",
-             "timeout_s"}
+             "timeout_s", "deadline_s"}
     for key in data:
         if key not in known:
             raise AlertConfigError(f"{path}: {key}: unknown setting (known: {', '.join(sorted(known))})")
@@ -110,7 +118,7 @@ def load_alert_config(path: str | Path | None) -> AlertConfig:
         if data["min_level"] not in LEVELS:
             raise AlertConfigError(f"{path}: min_level: {data['min_level']!r} is not one of {', '.join(LEVELS)}")
         kw["min_level"] = data["min_level"]
-    for key in ("dedupe_window_s", "timeout_s"):
+    for key in ("dedupe_window_s", "timeout_s", "deadline_s"):
         if key in data:
             if not isinstance(data[key], (int, float)) or data[key] < 0:
                 raise AlertConfigError(f"{path}: {key}: expected a number of seconds, got {data[key]!r}")
@@ -123,7 +131,8 @@ def load_alert_config(path: str | Path | None) -> AlertConfig:
         hook = data["webhook"]
         url = hook.get("url") if isinstance(hook, dict) else hook
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise AlertConfigError(f"{path}: webhook.url: expected an http(s) URL, got {url!r}")
+            shown = redact_text(url) if isinstance(url, str) else type(url).__name__
+            raise AlertConfigError(f"{path}: webhook.url: expected an http(s) URL, got {shown!r}")
         kw["webhook_url"] = url
     if "command" in data:
         cmd = data["command"]
@@ -137,14 +146,16 @@ def load_alert_config(path: str | Path | None) -> AlertConfig:
 
 @dataclass
 class Dispatch:
-    sent: list[Alert] = field(default_factory=list)
+    sent: list[Alert] = field(default_factory=list)  # taken by every receiver
     suppressed: list[Alert] = field(default_factory=list)  # deduplicated, rate-limited or below min_level
-    errors: list[str] = field(default_factory=list)  # deliveries that failed (never raised)
+    failed: list[Alert] = field(default_factory=list)  # due, but not delivered: not counted as sent, tried again
+    errors: list[str] = field(default_factory=list)  # deliveries that failed (never raised), URLs redacted
 
 
 def dispatch(alerts: list[Alert], cfg: AlertConfig, history: History, now: float | None = None) -> Dispatch:
     """Level, deduplicate, rate-limit and deliver ``alerts``; every decision is recorded in ``history``."""
     now = time.time() if now is None else now
+    deadline = time.monotonic() + cfg.deadline_s
     out = Dispatch()
     for alert in alerts:
         level = level_of(alert, cfg)
@@ -157,12 +168,17 @@ def dispatch(alerts: list[Alert], cfg: AlertConfig, history: History, now: float
                         or history.sent_since(now - 3600) >= cfg.max_per_hour)
             if send:
                 alert.recurrences = history.suppressed_since_sent(alert.key)  # repeats folded into this one
-            history.record_alert(alert.key, level, send, alert.text, now)
+            row = history.record_alert(alert.key, level, send, alert.text, now)
         if not send:
             out.suppressed.append(alert)
             continue
-        out.sent.append(alert)
-        out.errors += deliver(alert, cfg)
+        errors = deliver(alert, cfg, deadline)
+        if errors:  # not taken: undo "sent", so that deduplication does not swallow the next try
+            history.set_alert_sent(row, False)
+            out.failed.append(alert)
+            out.errors += errors
+        else:
+            out.sent.append(alert)
     if cfg.prom_textfile:
         try:
             _prom(history, cfg.prom_textfile, now)
@@ -171,32 +187,49 @@ def dispatch(alerts: list[Alert], cfg: AlertConfig, history: History, now: float
     return out
 
 
-def deliver(alert: Alert, cfg: AlertConfig) -> list[str]:
-    """Send one alert through the webhook and the command hook; returns the errors (bounded by the timeout)."""
+def deliver(alert: Alert, cfg: AlertConfig, deadline: float | None = None) -> list[str]:
+    """Send one alert through the webhook and the command hook; returns the errors, URLs redacted.
+
+    Each receiver gets at most ``timeout_s``, and nothing runs past ``deadline`` (``time.monotonic()``).
+    """
     errors: list[str] = []
     body = json.dumps(alert.payload()).encode()
+    deadline = time.monotonic() + 2 * cfg.timeout_s if deadline is None else deadline
+
+    def budget() -> float:
+        return min(cfg.timeout_s, deadline - time.monotonic())
+
     if cfg.webhook_url:
-        def post() -> None:
-            req = urllib.request.Request(cfg.webhook_url, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=cfg.timeout_s) as resp:  # noqa: S310 (the site's URL)
-                    resp.read(1024)
-            except Exception as exc:  # noqa: BLE001 (any failure of the receiver is reported, never raised)
-                errors.append(f"webhook {cfg.webhook_url}: {exc}")
-        worker = threading.Thread(target=post, daemon=True)  # DNS has no timeout of its own: bound it here
-        worker.start()
-        worker.join(cfg.timeout_s + 1)
-        if worker.is_alive():
-            errors.append(f"webhook {cfg.webhook_url}: no answer within {cfg.timeout_s:g} s")
+        where = redact_text(cfg.webhook_url)
+        wait = budget()
+        if wait <= 0:
+            errors.append(f"webhook {where}: not tried, the alerts' deadline ({cfg.deadline_s:g} s) passed")
+        else:
+            def post() -> None:
+                req = urllib.request.Request(cfg.webhook_url, data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=wait) as resp:  # noqa: S310 (the site's URL)
+                        resp.read(1024)
+                except Exception as exc:  # noqa: BLE001 (any failure of the receiver is reported, never raised)
+                    errors.append(f"webhook {where}: {redact_text(str(exc))}")
+            worker = threading.Thread(target=post, daemon=True)  # DNS has no timeout of its own: bound it here
+            worker.start()
+            worker.join(wait)
+            if worker.is_alive():
+                errors.append(f"webhook {where}: no answer within {wait:.3g} s")
     if cfg.command:
+        wait = budget()
+        if wait <= 0:
+            errors.append(f"command {cfg.command[0]}: not run, the alerts' deadline ({cfg.deadline_s:g} s) passed")
+            return errors
         try:
-            done = subprocess.run(list(cfg.command), input=body, capture_output=True, timeout=cfg.timeout_s)
+            done = subprocess.run(list(cfg.command), input=body, capture_output=True, timeout=wait)
             if done.returncode:
                 errors.append(f"command {cfg.command[0]}: exit {done.returncode}: "
-                              f"{done.stderr.decode(errors='replace').strip()[:200]}")
+                              f"{redact_text(done.stderr.decode(errors='replace').strip()[:200])}")
         except (OSError, subprocess.TimeoutExpired) as exc:
-            errors.append(f"command {cfg.command[0]}: {exc}")
+            errors.append(f"command {cfg.command[0]}: {redact_text(str(exc))}")
     return errors
 
 

@@ -54,17 +54,16 @@ def health(node: str | None, expect_gpus: int | None, resume_after: int, history
     from megatrace.check.thresholds import ThresholdsError, load_thresholds
     from megatrace.fleet.alerts import AlertConfigError, load_alert_config
     from megatrace.fleet.health import health_check
-    from megatrace.fleet.history import History
+    from megatrace.fleet.history import open_history
 
     name = node_name(node)
     try:
         limits, alert_cfg = load_thresholds(thresholds_path), load_alert_config(alerts_path)
     except (ThresholdsError, AlertConfigError) as exc:
         raise click.ClickException(str(exc)) from None
-    try:
-        history = History(history_path)
-    except OSError as exc:
-        raise click.ClickException(f"cannot open the history store: {exc}") from None
+    history, problem = open_history(history_path)  # a corrupt or locked store never stops the check
+    if problem:
+        click.echo(f"megatrace health: {problem}", err=True)
     opts = CheckOptions(level="quick", only=("gpu", "node"), expect_gpus=expect_gpus, timeout_s=timeout_s,
                         node=name, thresholds=limits)
     with Watchdog(timeout_s + 15, name), history:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sqlite3
 import subprocess
 from dataclasses import dataclass, field
 
@@ -115,11 +116,17 @@ def health_check(node: str, opts: CheckOptions, history: History, alert_cfg: Ale
     report = CheckReport([node], results, {node: facts})
     status = report.status
     worst_result = max(results, key=lambda r: r.status.rank, default=None)
-    history.record_check(node, status.value, worst_result.probe if worst_result else None,
-                         worst_result.message if worst_result and status != Status.OK else None)
+    errors: list[str] = []
+    try:  # the store may be locked by another process for longer than its busy timeout: decide anyway
+        history.record_check(node, status.value, worst_result.probe if worst_result else None,
+                             worst_result.message if worst_result and status != Status.OK else None)
+        recent = history.recent_statuses(node, resume_after)
+    except sqlite3.Error as exc:
+        errors.append(f"history store: {exc}; judged on this check alone")
+        recent = [status.value]  # enough to drain, never enough to resume
     state = node_state(node)
-    action = decide(status, state, history.recent_statuses(node, resume_after), resume_after)
-    out = HealthOutcome(report, action, state=state)
+    action = decide(status, state, recent, resume_after)
+    out = HealthOutcome(report, action, state=state, errors=errors)
     if action == "drain":
         out.reason = drain_reason(results)
     if action and act:
@@ -128,6 +135,9 @@ def health_check(node: str, opts: CheckOptions, history: History, alert_cfg: Ale
             out.errors.append(err)
     alerts = [Alert(node, r.probe, r.status.value, r.message, part=_part(r)) for r in results
               if r.status in (Status.FAIL, Status.WARN)]
-    out.alerts = dispatch(alerts, alert_cfg, history)
-    out.errors += out.alerts.errors
+    try:
+        out.alerts = dispatch(alerts, alert_cfg, history)
+        out.errors += out.alerts.errors
+    except sqlite3.Error as exc:
+        out.errors.append(f"history store: {exc}; alerts not sent this time (no deduplication possible)")
     return out

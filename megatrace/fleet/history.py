@@ -33,6 +33,39 @@ def default_path() -> Path:
     return Path(os.environ.get("MEGATRACE_HISTORY") or DEFAULT_PATH)
 
 
+def open_history(path: str | os.PathLike[str] | None = None) -> tuple["History", str | None]:
+    """The store, whatever state its file is in, and what was wrong with it (None when nothing was).
+
+    A health check must run even when its memory cannot: a file that is not an SQLite database (or
+    a damaged one) is moved aside to ``<name>.corrupt-<unix time>`` and a new store made in its place;
+    a store that stays locked past the busy timeout, or cannot be opened at all, is replaced for this
+    run by one in memory (the check runs and drains; only deduplication against earlier runs is lost).
+    """
+    path = Path(path) if path else default_path()
+    try:
+        return History(path), None
+    except sqlite3.Error as exc:
+        if not _corrupt(exc):
+            return History(":memory:"), f"history store {path} unusable ({exc}); this check keeps no history"
+        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+        try:
+            os.replace(path, aside)
+        except OSError as move:
+            return History(":memory:"), (f"history store {path} is corrupt ({exc}) and cannot be moved aside "
+                                         f"({move.strerror}); this check keeps no history")
+        try:
+            return History(path), f"history store {path} was corrupt ({exc}): moved to {aside}, started anew"
+        except sqlite3.Error as again:
+            return History(":memory:"), f"history store {path} unusable ({again}); this check keeps no history"
+    except OSError as exc:
+        return History(":memory:"), f"history store {path} unusable ({exc.strerror or exc}); this check keeps no history"
+
+
+def _corrupt(exc: sqlite3.Error) -> bool:
+    """Not a database, or a damaged one (as opposed to locked, read-only or missing: OperationalError)."""
+    return isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError)
+
+
 @dataclass(frozen=True)
 class NodeSummary:
     node: str
@@ -54,9 +87,15 @@ class History:
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path) if path else default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, timeout=5.0, isolation_level=None)
-        self.db.executescript(SCHEMA)
+        memory = str(path) == ":memory:"
+        if not memory:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(":memory:" if memory else self.path, timeout=5.0, isolation_level=None)
+        try:
+            self.db.executescript(SCHEMA)
+        except sqlite3.Error:
+            self.db.close()
+            raise
 
     def __enter__(self) -> History:
         return self
@@ -111,8 +150,14 @@ class History:
         self.db.execute("COMMIT")
 
     # -- alerts (used by megatrace.fleet.alerts for deduplication) --------------------------------------------
-    def record_alert(self, key: str, level: str, sent: bool, text: str, t: float) -> None:
-        self.db.execute("INSERT INTO alerts VALUES (?, ?, ?, ?, ?)", (t, key, level, int(sent), text))
+    def record_alert(self, key: str, level: str, sent: bool, text: str, t: float) -> int:
+        """Record a decision; returns its row, for :meth:`set_alert_sent` once delivery is known."""
+        cur = self.db.execute("INSERT INTO alerts VALUES (?, ?, ?, ?, ?)", (t, key, level, int(sent), text))
+        return int(cur.lastrowid or 0)
+
+    def set_alert_sent(self, row: int, sent: bool) -> None:
+        """Correct a recorded decision: an alert meant to be sent that no receiver took is not sent."""
+        self.db.execute("UPDATE alerts SET sent = ? WHERE rowid = ?", (int(sent), row))
 
     def alerts_since(self, key: str, since: float) -> tuple[int, int]:
         """(alerts sent, alerts suppressed) for ``key`` since ``since``."""

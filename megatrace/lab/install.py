@@ -113,11 +113,12 @@ def install_scripts(paths: LabPaths, log: Log) -> None:
     """Root-owned copies of slurm/prolog, epilog and healthcheck (Slurm runs them as root, never from the checkout)."""
     src = repo_root() / "slurm"
     paths.libexec.mkdir(parents=True, exist_ok=True)
-    for name, dest in (("prolog", paths.prolog), ("epilog", paths.epilog), ("healthcheck", paths.healthcheck)):
+    for name, dest in (("prolog", paths.prolog), ("epilog", paths.epilog), ("healthcheck", paths.healthcheck),
+                       ("megatrace-lib.sh", paths.libexec / "megatrace-lib.sh")):  # what prolog and epilog source
         tmp = dest.with_name(f".{name}.tmp")
         shutil.copyfile(src / name, tmp)
         os.chown(tmp, 0, 0)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o644 if name.endswith(".sh") else 0o755)
         os.replace(tmp, dest)
     log(f"lab: prolog {paths.prolog}, epilog {paths.epilog}, HealthCheckProgram {paths.healthcheck}")
 

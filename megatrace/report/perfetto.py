@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import heapq
+import io
 import json
 import os
 import stat
@@ -32,6 +33,7 @@ from typing import IO, Any, NamedTuple
 
 import numpy as np
 
+from megatrace.files import atomic_output
 from megatrace.trace.ring_format import Dtype, Flag, Op, Phase, State
 
 
@@ -481,8 +483,8 @@ def export_trace(trace_dir: str | os.PathLike[str], out: str | os.PathLike[str],
 
     Nothing is written into ``trace_dir`` (no analysis runs: loading, matching and clock alignment are all
     the export needs). A name ending in ``.gz`` is written gzipped. The file appears whole or not at all
-    (written beside ``out`` and renamed over it; a path that is not a regular file, e.g. ``/dev/stdout``,
-    is written in place). Raises :class:`ExportError` when ``out`` cannot be written (checked before the
+    (:func:`megatrace.files.atomic_output`: written beside ``out`` and renamed over it; a FIFO or device
+    of root or this user, e.g. ``/dev/stdout``, is written in place; another user's link or FIFO never). Raises :class:`ExportError` when ``out`` cannot be written (checked before the
     trace is loaded) and what :func:`~megatrace.analyze.load.load_trace` raises for an unreadable trace.
     """
     from megatrace.analyze.clock import align_clocks
@@ -492,47 +494,32 @@ def export_trace(trace_dir: str | os.PathLike[str], out: str | os.PathLike[str],
 
     t_start = time.perf_counter()
     path = Path(out)
+    stage = "open"  # an OSError before the trace is read, or once it is written, is about the output file
     try:
-        special = not stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        special = False
-    target = path if special else path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        if path.name.endswith(".gz"):  # Perfetto and chrome://tracing open gzipped traces as they are
-            fh: IO[str] = gzip.open(target, "wt", encoding="utf-8", compresslevel=GZIP_LEVEL)  # noqa: SIM115
-        else:
-            fh = open(target, "w", encoding="utf-8", buffering=1 << 20)  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
-    done = False
-    try:
-        trace = load_trace(trace_dir, format=format)
-        if not len(trace.records):
-            raise TraceLoadError(f"{trace_dir}: no records to export")
-        ix = index_records(trace)
-        clock = align_clocks(trace, ix, in_place=True)
-        stats = write_trace(trace, ix, clock.t_enqueue, clock.t_complete, fh, str(path), clock.method)
-        try:
-            fh.close()
-            if not special:
-                os.replace(target, path)
-        except OSError as exc:
-            raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
-        done = True
-    finally:
-        if not fh.closed:
-            try:
+        with atomic_output(path) as raw:
+            stage = "work"
+            if path.name.endswith(".gz"):  # Perfetto and chrome://tracing open gzipped traces as they are
+                fh: IO[str] = gzip.open(raw, "wt", encoding="utf-8", compresslevel=GZIP_LEVEL)  # noqa: SIM115
+            else:
+                fh = io.TextIOWrapper(raw, encoding="utf-8")
+            trace = load_trace(trace_dir, format=format)
+            if not len(trace.records):
+                raise TraceLoadError(f"{trace_dir}: no records to export")
+            ix = index_records(trace)
+            clock = align_clocks(trace, ix, in_place=True)
+            stats = write_trace(trace, ix, clock.t_enqueue, clock.t_complete, fh, str(path), clock.method)
+            stage = "close"
+            if isinstance(fh, io.TextIOWrapper):
+                fh.detach()  # flushes; atomic_output closes the file and renames it
+            else:
                 fh.close()
-            except OSError:
-                pass
-        if not done and not special:
-            try:
-                target.unlink()
-            except OSError:
-                pass
+    except OSError as exc:
+        if stage == "work":
+            raise
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
     stats.seconds = time.perf_counter() - t_start
     try:
-        stats.bytes = os.stat(path).st_size if not special else 0
+        stats.bytes = os.stat(path).st_size if stat.S_ISREG(os.stat(path).st_mode) else 0
     except OSError:
         pass
     return stats

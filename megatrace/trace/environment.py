@@ -10,25 +10,32 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from megatrace.redact import redact_argv, redact_text, secret_name
+
 # Environment variables kept as facts: runtime and launcher settings only. Anything that looks like a
 # credential is dropped even when its prefix matches (facts can end up quoted in findings.json).
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "GLOO_", "UCX_", "FI_", "MEGATRACE_", "SLURM_",
                 "OMPI_", "PMI_", "PMIX_", "OMP_", "NVTE_", "CUBLAS_", "CUDNN_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
              "NODE_RANK", "OMP_NUM_THREADS")
-SECRET_RE = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|(?:^|_)KEY(?:$|_)", re.IGNORECASE)
 MAX_ENV_VALUE = 1024  # characters kept of one environment value
 
 
 def filter_env(env: Mapping[str, Any] | None) -> dict[str, str]:
-    """The runtime settings of ``env`` (see :data:`ENV_PREFIXES`), values as strings, credentials dropped."""
+    """The runtime settings of ``env`` (see :data:`ENV_PREFIXES`), values as strings, credentials dropped.
+
+    A variable named like a credential (``SLURM_JWT``, ``SLURM_OIDC_*``, ``*_TOKEN``, see
+    :data:`megatrace.redact.SECRET_NAME_RE`) is left out; any other value loses what a credential
+    looks like (URL paths and user:password@, JWTs, bearer values: :func:`megatrace.redact.redact_text`).
+    Applied by the tracer when it records and again by the analysis when it reads (older traces too).
+    """
     out: dict[str, str] = {}
     for name, value in (env or {}).items():
         if not isinstance(name, str) or value is None or isinstance(value, (dict, list)):
             continue
-        if not (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) or SECRET_RE.search(name):
+        if not (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) or secret_name(name):
             continue
-        out[name] = str(value)[:MAX_ENV_VALUE]
+        out[name] = redact_text(str(value)[:MAX_ENV_VALUE])
     return out
 
 
@@ -71,8 +78,10 @@ def job_inputs(argv: list[str], cwd: str | None = None) -> dict[str, Any]:
 
     cwd = cwd if cwd is not None else os.getcwd()
     args = [str(a)[:MAX_ARG_CHARS] for a in list(argv)[:MAX_ARGV_ITEMS]]
+    files_named = referenced_config_files(args)
+    args = redact_argv(args)
     files: list[dict[str, Any]] = []
-    for path in referenced_config_files(args):
+    for path in files_named:
         entry: dict[str, Any] = {"path": path}
         try:
             with open(os.path.join(cwd, path), "rb") as fh:

@@ -21,6 +21,7 @@ RECORD_SIZE = 64
 DEFAULT_CAPACITY = 65536  # 4 MiB of records per rank: minutes of a busy trainer.
 MIN_CAPACITY = 16
 MAX_CAPACITY = 1 << 26
+MAX_WORLD_SIZE = 1 << 20  # a header naming a larger world is damaged or hostile (the importers' limit too)
 
 # Header: static part, protected by ``header_check`` (adler32 of bytes 0..252).
 HEADER_STATIC = struct.Struct("<8sIIIIiiiiqqQ64s32s64s28s")

@@ -18,10 +18,10 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from megatrace.files import open_input, read_input
 from megatrace.trace import ring_format as fmt
 
 RECORD_DTYPE = np.dtype([
@@ -134,6 +134,7 @@ def _empty_rows(raw: np.ndarray) -> np.ndarray:
     return acc == 0
 
 
+META_LIMIT = 64 << 20  # a meta file is a few KiB (a group line per group); refuse anything absurd
 _HEADER_USED = fmt.HEARTBEAT_OFFSET + fmt.HEARTBEAT.size  # the header bytes that hold anything
 _HEADER_REQUIRED = fmt.WRITER_STATE_OFFSET + fmt.WRITER_STATE.size  # ... of which a reader needs these
 
@@ -161,6 +162,9 @@ def parse_header(path: str, blob: bytes, file_size: int | None = None) -> tuple[
             or not fmt.MIN_CAPACITY <= capacity <= fmt.MAX_CAPACITY:
         raise RingFormatError(f"{path}: offset 12: implausible geometry (header {header_size}, "
                               f"record {record_size}, capacity {capacity})")
+    if not 1 <= world_size <= fmt.MAX_WORLD_SIZE:
+        # Sized tables (missing ranks, per-rank columns) follow the world size: never trust a huge one.
+        raise RingFormatError(f"{path}: offset 32: world size {world_size} is outside 1..{fmt.MAX_WORLD_SIZE}")
     counter = fmt.WRITE_COUNTER.unpack_from(blob, fmt.WRITE_COUNTER_OFFSET)[0]
     state = fmt.WRITER_STATE.unpack_from(blob, fmt.WRITER_STATE_OFFSET)[0]
     beat = fmt.HEARTBEAT.unpack_from(blob, fmt.HEARTBEAT_OFFSET)[0] if len(blob) >= _HEADER_USED else 0
@@ -237,21 +241,27 @@ def read_ring(path: str | os.PathLike[str], retries: int = 3, retry_sleep: float
 
 
 def _read_full(path: str, retries: int, retry_sleep: float) -> RingSnapshot:
-    with open(path, "rb") as fh:
-        blob = fh.read()
-    header, problems = parse_header(path, blob)
+    fd = open_input(path)  # a regular file, not another user's link: a FIFO or device never blocks or floods
+    try:
+        return _read_full_fd(fd, path, retries, retry_sleep)
+    finally:
+        os.close(fd)
+
+
+def _read_full_fd(fd: int, path: str, retries: int, retry_sleep: float) -> RingSnapshot:
+    size = os.fstat(fd).st_size
+    header, problems = parse_header(path, os.pread(fd, fmt.HEADER_SIZE, 0), size)
     cap = header.capacity
     expected = fmt.file_size(cap)
-    if problems and len(blob) != expected:
-        # The checksum says the static header is damaged and the file size disagrees with its
-        # capacity: the geometry itself may be the damaged field, and every slot would be misread.
-        raise RingFormatError(f"{path}: offset 20: header checksum mismatch and capacity {cap} does not match "
-                              f"the file size ({len(blob)} bytes, expected {expected}); geometry is untrustworthy")
-    body = blob[fmt.HEADER_SIZE:expected]
+    if problems and size != expected:
+        raise _geometry_error(path, cap, size, expected)
+    # Read no more than the capacity allows: a sparse file far larger than that costs nothing more.
+    body = _pread_all(fd, min(size, expected) - fmt.HEADER_SIZE, fmt.HEADER_SIZE)
     n_slots = len(body) // fmt.RECORD_SIZE
-    if len(blob) < expected:
-        problems.append(ReadProblem(path, len(blob), f"file truncated: {len(blob)} of {expected} bytes; "
-                                                     f"slots {n_slots}..{cap - 1} are lost"))
+    if len(body) + fmt.HEADER_SIZE < expected:
+        got = len(body) + fmt.HEADER_SIZE
+        problems.append(ReadProblem(path, got, f"file truncated: {got} of {expected} bytes; "
+                                               f"slots {n_slots}..{cap - 1} are lost"))
     raw = np.frombuffer(body[:n_slots * fmt.RECORD_SIZE], dtype=np.uint8).reshape(n_slots, fmt.RECORD_SIZE).copy()
     empty, head_ok, tail_ok = _validate(raw, np.arange(n_slots, dtype=np.uint64), cap)
 
@@ -264,21 +274,19 @@ def _read_full(path: str, retries: int, retry_sleep: float) -> RingSnapshot:
         seqs = raw.view(RECORD_DTYPE).reshape(-1)["seq"]
         newest = int(seqs[head_ok].max()) if head_ok.any() else 0
         limit = max(newest, min(header.write_counter, newest + 1)) + 1
-        with open(path, "rb") as fh:
-            for _ in range(retries):
-                time.sleep(retry_sleep)
-                for slot in bad:
-                    fh.seek(fmt.HEADER_SIZE + int(slot) * fmt.RECORD_SIZE)
-                    chunk = fh.read(fmt.RECORD_SIZE)
-                    if len(chunk) == fmt.RECORD_SIZE and chunk != raw[slot].tobytes():
-                        if fmt.RECORD_SEQ.unpack_from(chunk)[0] > limit:
-                            raced[slot] = True  # changed under us to a newer lap: keep the first copy
-                        else:
-                            raw[slot] = np.frombuffer(chunk, np.uint8)
-                empty[bad], head_ok[bad], tail_ok[bad] = _validate(raw[bad], bad.astype(np.uint64), cap)
-                bad = np.flatnonzero(~empty & (~head_ok | ~tail_ok))
-                if not len(bad):
-                    break
+        for _ in range(retries):
+            time.sleep(retry_sleep)
+            for slot in bad:
+                chunk = os.pread(fd, fmt.RECORD_SIZE, fmt.HEADER_SIZE + int(slot) * fmt.RECORD_SIZE)
+                if len(chunk) == fmt.RECORD_SIZE and chunk != raw[slot].tobytes():
+                    if fmt.RECORD_SEQ.unpack_from(chunk)[0] > limit:
+                        raced[slot] = True  # changed under us to a newer lap: keep the first copy
+                    else:
+                        raw[slot] = np.frombuffer(chunk, np.uint8)
+            empty[bad], head_ok[bad], tail_ok[bad] = _validate(raw[bad], bad.astype(np.uint64), cap)
+            bad = np.flatnonzero(~empty & (~head_ok | ~tail_ok))
+            if not len(bad):
+                break
 
     records = raw.view(RECORD_DTYPE).reshape(-1)
     valid = records[head_ok]
@@ -389,8 +397,21 @@ _FADVISE = hasattr(os, "posix_fadvise")
 _FRESHER = object()  # _tail_of: the counter moved on by more than the window while the tail was read
 
 
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    """``n`` bytes at ``offset`` (fewer at the end of the file)."""
+    parts = []
+    while n > 0:
+        chunk = os.pread(fd, min(n, 1 << 26), offset)
+        if not chunk:
+            break
+        parts.append(chunk)
+        n -= len(chunk)
+        offset += len(chunk)
+    return b"".join(parts)
+
+
 def _read_tail(path: str, last: int, retries: int, retry_sleep: float) -> RingSnapshot:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_input(path)
     try:
         size = os.fstat(fd).st_size
         snap = None
@@ -543,7 +564,7 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
     try:
         for i in which:
             try:
-                fds[i] = os.open(paths[i], os.O_RDONLY)
+                fds[i] = open_input(paths[i])
             except OSError as exc:
                 out[i] = exc
                 continue
@@ -640,9 +661,11 @@ def read_meta(path: str | os.PathLike[str]) -> tuple[list[dict], list[ReadProble
     entries: list[dict] = []
     problems: list[ReadProblem] = []
     try:
-        data = Path(path).read_bytes()
+        data = read_input(path, META_LIMIT)
     except FileNotFoundError:
         return entries, [ReadProblem(path, 0, "meta file missing: group names and members unknown", "warning")]
+    except OSError as exc:
+        return entries, [ReadProblem(path, 0, f"meta file unreadable: {exc.strerror or exc}")]
     offset = 0
     for line in data.splitlines(keepends=True):
         if not line.endswith(b"\n"):
@@ -656,5 +679,7 @@ def read_meta(path: str | os.PathLike[str]) -> tuple[list[dict], list[ReadProble
             entries.append(entry)
         except ValueError as exc:
             problems.append(ReadProblem(path, offset, f"unreadable meta line: {exc}"))
+        except RecursionError:  # nested deeper than the parser goes: hostile or broken, never a traceback
+            problems.append(ReadProblem(path, offset, "unreadable meta line: nested too deeply"))
         offset += len(line)
     return entries, problems

@@ -19,12 +19,21 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrace.files import create_private, private_dir
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.warnings import warn_once
 
 
 class RingOpenError(OSError):
     """The ring file could not be created; the message names the path and the reason."""
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -58,9 +67,8 @@ class RingWriter:
         self._capacity = capacity
         self.path = self.directory / fmt.ring_name(identity.rank)
         self.meta_path = self.directory / fmt.meta_name(identity.rank)
-        self._mm = self._create()
+        self._mm, self._meta_fd = self._create()
         self._view = memoryview(self._mm)
-        self._meta_fd = os.open(self.meta_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self._next_seq = itertools.count(1).__next__  # atomic under the GIL
         self.wrapped = False
         self._first_overwrite = capacity + 1
@@ -86,33 +94,57 @@ class RingWriter:
         self.native = True
 
     # -- creation ---------------------------------------------------------
-    def _create(self) -> mmap.mmap:
+    def _create(self) -> tuple[mmap.mmap, int]:
+        """The mapped ring and the meta file's descriptor, both new files (mode 0600) in a private directory.
+
+        The directory must be this user's own and writable by nobody else (:func:`megatrace.files.private_dir`):
+        a directory another user made first, or a link they planted, is refused, and tracing is off. Every
+        name is then used relative to the directory's descriptor, never through a link.
+        """
         size = fmt.file_size(self.capacity)
+        ring, meta = self.path.name, self.meta_path.name
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if self.path.exists():  # a previous attempt of the same rank: keep it, never overwrite
-                n = 1
-                while self.path.with_name(f"{self.path.name}.{n}").exists():
-                    n += 1
-                self.path.rename(self.path.with_name(f"{self.path.name}.{n}"))
-                if self.meta_path.exists():
-                    self.meta_path.rename(self.meta_path.with_name(f"{self.meta_path.name}.{n}"))
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            dfd = private_dir(self.directory)
         except OSError as exc:
-            raise RingOpenError(exc.errno, f"cannot create ring file {self.path}: {exc.strerror}") from None
+            raise RingOpenError(exc.errno, f"cannot use trace directory {self.directory}: "
+                                           f"{exc.strerror or exc}") from None
         try:
-            # Reserve the blocks now: a sparse file on a full tmpfs would SIGBUS the trainer later.
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            os.close(fd)
             try:
-                self.path.unlink()
-            except OSError:
-                pass
-            raise RingOpenError(exc.errno, f"cannot reserve {size} bytes for ring file {self.path}: "
-                                           f"{exc.strerror}") from None
-        os.close(fd)
+                if _exists(ring, dfd):  # a previous attempt of the same rank: keep it, never overwrite
+                    n = 1
+                    while _exists(f"{ring}.{n}", dfd):
+                        n += 1
+                    os.rename(ring, f"{ring}.{n}", src_dir_fd=dfd, dst_dir_fd=dfd)
+                    if _exists(meta, dfd):
+                        os.rename(meta, f"{meta}.{n}", src_dir_fd=dfd, dst_dir_fd=dfd)
+                fd = create_private(dfd, ring)
+            except OSError as exc:
+                raise RingOpenError(exc.errno, f"cannot create ring file {self.path}: {exc.strerror}") from None
+            try:
+                # Reserve the blocks now: a sparse file on a full tmpfs would SIGBUS the trainer later.
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                os.close(fd)
+                try:
+                    os.unlink(ring, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise RingOpenError(exc.errno, f"cannot reserve {size} bytes for ring file {self.path}: "
+                                               f"{exc.strerror}") from None
+            os.close(fd)
+            self._write_header(mm)
+            try:  # the rank's own file (just moved aside if it existed): a new name in a private directory
+                meta_fd = os.open(meta, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                  dir_fd=dfd)
+            except OSError as exc:
+                mm.close()
+                raise RingOpenError(exc.errno, f"cannot create meta file {self.meta_path}: {exc.strerror}") from None
+        finally:
+            os.close(dfd)
+        return mm, meta_fd
+
+    def _write_header(self, mm: mmap.mmap) -> None:
         ident = self.identity
         wall, mono = time.time_ns(), time.monotonic_ns()
         static = fmt.HEADER_STATIC.pack(
@@ -125,7 +157,6 @@ class RingWriter:
         fmt.HEADER_CHECK.pack_into(mm, fmt.HEADER_CHECK_OFFSET, fmt.header_check(static))
         fmt.WRITE_COUNTER.pack_into(mm, fmt.WRITE_COUNTER_OFFSET, 0)
         fmt.WRITER_STATE.pack_into(mm, fmt.WRITER_STATE_OFFSET, fmt.WriterState.OPEN)
-        return mm
 
     # -- hot path ---------------------------------------------------------
     # Struct methods and clocks are bound as default arguments: each global or

@@ -56,10 +56,20 @@ class TracerSettings:
                     records = rounded
         directory = env.get(DIR)
         if not directory:
-            base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
             name = f"{job}.{step}" if step else job
-            directory = str(base / "megatrace" / _safe(name))
+            directory = str(default_base() / _safe(name))
         return cls(Path(directory), job, step, records)
+
+
+def default_base(uid: int | None = None) -> Path:
+    """Where rings go without ``MEGATRACE_DIR`` (outside Slurm): ``/dev/shm/megatrace-<uid>``, one base per user.
+
+    Per user, so that the first user on a node owns nothing the others need: each creates and owns
+    their own base (mode 0700). ``/tmp`` (``$TMPDIR``) where there is no ``/dev/shm``. Under Slurm the
+    plugin sets ``MEGATRACE_DIR`` to the node directory root made for the job.
+    """
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"megatrace-{os.geteuid() if uid is None else uid}"
 
 
 def _safe(name: str) -> str:

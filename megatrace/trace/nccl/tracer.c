@@ -151,22 +151,73 @@ static void trace_dir(char *out, size_t size, const char *job, const char *step)
         snprintf(name, sizeof name, "%s", job);
     safe_component(name, safe, sizeof safe);
     base = (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode)) ? "/dev/shm" : env_or("TMPDIR", NULL, "/tmp");
-    snprintf(out, size, "%s/megatrace/%s", base, safe);
+    snprintf(out, size, "%s/megatrace-%u/%s", base, (unsigned)geteuid(), safe); /* per user, as settings.py */
 }
 
+/* mkdir -p, mode 0700 for every directory it creates. */
 static int mkdirs(char *path)
 {
     for (char *p = path + 1; *p; p++) {
         if (*p != '/')
             continue;
         *p = 0;
-        if (mkdir(path, 0755) != 0 && errno != EEXIST) {
+        if (mkdir(path, 0700) != 0 && errno != EEXIST) {
             *p = '/';
             return -1;
         }
         *p = '/';
     }
-    return mkdir(path, 0755) != 0 && errno != EEXIST ? -1 : 0;
+    return mkdir(path, 0700) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* The trace directory, as megatrace.files.private_dir accepts it: a real directory owned by this user and
+ * writable by nobody else, under directories (walked up through "..") that only root or this user own and
+ * that others cannot write unless they are sticky. Returns its descriptor, or -1 with *why set. */
+static int open_private_dir(const char *dir, const char **why)
+{
+    struct stat st, up;
+    uid_t me = geteuid();
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC), cur, next;
+    *why = "not a directory, or a symbolic link";
+    if (fd < 0 || fstat(fd, &st) != 0)
+        goto bad;
+    *why = "owned by another user";
+    if (st.st_uid != me)
+        goto bad;
+    *why = "writable by other users";
+    if (st.st_mode & 022)
+        goto bad;
+    cur = dup(fd);
+    for (int depth = 0; cur >= 0 && depth < 4096; depth++) {
+        next = openat(cur, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        close(cur);
+        cur = next;
+        if (cur < 0 || fstat(cur, &up) != 0)
+            break;
+        if (up.st_dev == st.st_dev && up.st_ino == st.st_ino) { /* reached "/" */
+            close(cur);
+            return fd;
+        }
+        *why = "a directory above it is owned by another user";
+        if (up.st_uid != 0 && up.st_uid != me)
+            break;
+        *why = "a directory above it is writable by everyone and not sticky";
+        if ((up.st_mode & S_IWOTH) && !(up.st_mode & S_ISVTX))
+            break;
+        st = up;
+    }
+    if (cur >= 0)
+        close(cur);
+bad:
+    if (fd >= 0)
+        close(fd);
+    return -1;
+}
+
+static int exists_at(int dfd, const char *name)
+{
+    struct stat st;
+    return fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0;
 }
 
 /* -- meta lines (JSON, one write() each, O_APPEND) ------------------------------------------ */
@@ -278,10 +329,10 @@ static void meta_group(const struct mt_comm *c)
 /* -- the ring file ---------------------------------------------------------------------------- */
 
 /* The writer of an existing ring of this rank, if it is this very process (the Python tracer). */
-static int ring_is_ours(const char *path)
+static int ring_is_ours(int dfd, const char *name)
 {
     unsigned char h[40];
-    int fd = open(path, O_RDONLY | O_CLOEXEC), pid;
+    int fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC), pid;
     ssize_t n = fd >= 0 ? pread(fd, h, sizeof h, 0) : -1;
     if (fd >= 0)
         close(fd);
@@ -299,20 +350,23 @@ static void put_str(unsigned char *dst, const char *s, size_t size)
 
 static int ring_create(void)
 {
-    char job[200], step[200], dir[1024], path[1200], meta[1200], old[1300], host[256] = "";
+    char job[200], step[200], dir[1024], path[1200], meta[1200], old[300], host[256] = "", ring[64], metaname[64];
+    const char *why = "";
     const char *node = getenv("SLURMD_NODENAME");
     uint64_t cap = ring_capacity(), size = MT_HEADER_SIZE + cap * MT_RECORD_SIZE;
     unsigned char *base;
     uint32_t u32, check;
     int64_t wall, mono;
     struct timespec ts;
-    int fd, err, pid = (int)getpid();
+    int fd, dfd, err, pid = (int)getpid();
 
     snprintf(job, sizeof job, "%s", env_or("MEGATRACE_JOB_ID", "SLURM_JOB_ID", "local"));
     snprintf(step, sizeof step, "%s", env_or("MEGATRACE_STEP_ID", "SLURM_STEP_ID", ""));
     trace_dir(dir, sizeof dir, job, step);
     snprintf(path, sizeof path, "%s/rank-%05d.ring", dir, mt_g.rank);
     snprintf(meta, sizeof meta, "%s/rank-%05d.meta.jsonl", dir, mt_g.rank);
+    snprintf(ring, sizeof ring, "rank-%05d.ring", mt_g.rank);
+    snprintf(metaname, sizeof metaname, "rank-%05d.meta.jsonl", mt_g.rank);
     if (node && *node)
         snprintf(host, sizeof host, "%s", node);
     else
@@ -323,28 +377,35 @@ static int ring_create(void)
                     strerror(errno));
         return -1;
     }
-    if (access(path, F_OK) == 0) {
-        if (ring_is_ours(path)) {
+    dfd = open_private_dir(dir, &why);
+    if (dfd < 0) {
+        mt_log_once(MT_LOG_RING, "cannot use trace directory %s: %s; NCCL calls are not traced", dir, why);
+        return -1;
+    }
+    if (exists_at(dfd, ring)) {
+        if (ring_is_ours(dfd, ring)) {
             mt_log_once(MT_LOG_TORCH, "%s is written by this process's Python tracer; the NCCL interposer "
                         "stays out of its way", path);
+            close(dfd);
             return -1;
         }
-        for (int k = 1;; k++) { /* keep a previous attempt: rank-NNNNN.ring.K */
-            snprintf(old, sizeof old, "%s.%d", path, k);
-            if (access(old, F_OK) != 0)
+        int k = 1;
+        for (;; k++) { /* keep a previous attempt: rank-NNNNN.ring.K */
+            snprintf(old, sizeof old, "%s.%d", ring, k);
+            if (!exists_at(dfd, old))
                 break;
         }
-        if (rename(path, old) == 0) {
-            size_t n = strlen(old), tail = n - strlen(path); /* ".K" */
-            char oldmeta[1300];
-            snprintf(oldmeta, sizeof oldmeta, "%s%s", meta, old + n - tail);
-            if (access(meta, F_OK) == 0)
-                rename(meta, oldmeta);
+        if (renameat(dfd, ring, dfd, old) == 0) {
+            char oldmeta[300];
+            snprintf(oldmeta, sizeof oldmeta, "%s.%d", metaname, k);
+            if (exists_at(dfd, metaname))
+                renameat(dfd, metaname, dfd, oldmeta);
         }
     }
-    fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    fd = openat(dfd, ring, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) {
         mt_log_once(MT_LOG_RING, "cannot create ring file %s: %s; NCCL calls are not traced", path, strerror(errno));
+        close(dfd);
         return -1;
     }
     /* Reserve the blocks now: a sparse file on a full tmpfs would SIGBUS the trainer later. */
@@ -354,7 +415,8 @@ static int ring_create(void)
         mt_log_once(MT_LOG_RING, "cannot reserve %llu bytes for ring file %s: %s; NCCL calls are not traced",
                     (unsigned long long)size, path, strerror(err ? err : errno));
         close(fd);
-        unlink(path);
+        unlinkat(dfd, ring, 0);
+        close(dfd);
         return -1;
     }
     close(fd);
@@ -385,7 +447,8 @@ static int ring_create(void)
     u32 = 1; /* writer_state OPEN; write_counter stays 0 */
     memcpy(base + 264, &u32, 4);
 
-    mt_g.meta_fd = open(meta, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    mt_g.meta_fd = openat(dfd, metaname, O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
+    close(dfd);
     if (mt_g.meta_fd < 0)
         mt_log_once(MT_LOG_RING, "cannot open meta file %s: %s; group members will be inferred", meta,
                     strerror(errno));
