@@ -87,23 +87,33 @@ def _root_sentence(trace: TraceSet, hang: HangAnalysis, root: RootCause) -> str:
         return f"ranks {rank_list(list(root.ranks))} wait on each other in a cycle"
     if root.kind == "blocked-unknown":
         return f"rank {root.ranks[0]} waits in {w.label if w else 'an operation'} whose partners are unknown"
-    rank = root.ranks[0]
+    who = f"rank {root.ranks[0]}" if len(root.ranks) == 1 else f"ranks {rank_list(list(root.ranks))}"
     if w is not None and trace.records.op[w.row] in (Op.SEND, Op.RECV):
         other = "recv" if trace.records.op[w.row] == Op.SEND else "send"
-        head = f"rank {rank} never posted the matching {other}"
+        head = f"{who} never posted the matching {other}"
     else:
-        head = f"rank {rank} never entered it"
+        head = f"{who} never entered it"
+    if len(root.ranks) == 1:
+        return f"{head}; {_stop_text(trace, hang, root.ranks[0])}"
+    return f"{head}; " + "; ".join(f"rank {r}: {_stop_text(trace, hang, r)}" for r in root.ranks)
+
+
+def _stop_text(trace: TraceSet, hang: HangAnalysis, rank: int) -> str:
+    """What is known of a stopped rank: its last op, its process, what the input says of its stop."""
     status = hang.status.get(rank)
     if status == RankStatus.MISSING:
-        return f"{head}; it has no trace (its ring file is missing), so why is unknown"
-    tail = _last_op_text(trace, hang, rank)
+        return "it has no trace (its ring file is missing), so why is unknown"
+    note = trace.facts.notes.get(rank)
+    tail = note if note and hang.last_row.get(rank) is None else _last_op_text(trace, hang, rank)
+    if note and tail != note:
+        tail += f"; {note}"
     proc = trace.facts.procs.get(rank)
     if proc is not None and proc.crashed:
         tail += f"; its process {proc.describe()}"
     elif status == RankStatus.FINISHED:
         tail += "; its process then exited (its tracer closed cleanly)"
     phase = _phase_text(trace, rank)
-    return f"{head}; {tail}" + (f" ({phase})" if phase else "")
+    return tail + (f" ({phase})" if phase else "")
 
 
 def _classify(trace: TraceSet, hang: HangAnalysis, m: MatchResult, root: RootCause) -> Kind:
@@ -137,14 +147,15 @@ def _verdict(trace: TraceSet, kind: Kind, root: RootCause, n_wait: int, hosts: l
     what = f" in {w.label}" if w else ""
     if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
         what = f" (first rank {w.rank}, in {w.label})" if w else ""
-        who = rank_label(trace, root.ranks[0])
+        who = rank_label(trace, root.ranks[0]) if len(root.ranks) == 1 else \
+            "ranks " + " and ".join(rank_label(trace, r)[5:] for r in root.ranks[:MAX_EVIDENCE])
         head = {Kind.COMPUTE_HANG: f"{who} stopped outside communication",
                 Kind.CRASHED_PROCESS: f"{who} crashed",
                 Kind.EXITED_EARLY: f"{who} exited early",
                 Kind.NO_TRACE: f"{who} has no trace"}[kind]
         if root.silence_ns is not None and kind != Kind.NO_TRACE:
             head += f" {duration(root.silence_ns)} before the end of the trace"
-        return f"{head}; {waiting} for it{what}" if n_wait else head
+        return f"{head}; {waiting} for {'it' if len(root.ranks) == 1 else 'them'}{what}" if n_wait else head
     if kind == Kind.DEADLOCK:
         return (f"deadlock: ranks {rank_list(list(root.ranks))} wait on each other in a cycle; "
                 f"{n_wait} more wait on them")
@@ -199,8 +210,10 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
             verdict = "possible hang (short stop, maybe in flight when the trace ended): " + verdict
         if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
             group = trace.groups.get(int(trace.records.group_id[root.first_wait.row])) if root.first_wait else None
-            subject = rank_subject(trace, root.ranks[0], group)
-            ident = f"{kind.value}:rank-{root.ranks[0]}"
+            subject = rank_subject(trace, root.ranks[0], group) if len(root.ranks) == 1 else \
+                Subject(ranks=root.ranks, hosts=tuple(hosts), group=group.to_dict() if group else None)
+            ident = f"{kind.value}:rank-{root.ranks[0]}" if len(root.ranks) == 1 else \
+                f"{kind.value}:ranks-{'-'.join(map(str, root.ranks[:8]))}"
         elif root.kind == "instance" and root.detail is not None:
             g = root.detail.group
             subject = Subject(ranks=tuple(root.detail.members), hosts=tuple(hosts), group=g.to_dict() if g else None)

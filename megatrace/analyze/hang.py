@@ -14,7 +14,12 @@ links each blocked rank to what it waits for:
 The sink components of that graph, reached from blocked ranks, are the root
 causes: stopped ranks (compute hang, crash, early exit, no trace), stuck
 instances or links (communication hang, collective mismatch) and cycles
-(deadlock). :mod:`megatrace.analyze.explain` turns them into findings.
+(deadlock). Two refinements: a stuck instance or link that every member
+entered is folded into a confirmed stopped rank that one of its members waits
+for elsewhere (a device runs a rank's calls in order across its groups, a
+dependency the trace does not show: :func:`_fold_consequences`); stopped ranks
+that one collective waits for together are one root (:func:`_merge_co_missing`).
+:mod:`megatrace.analyze.explain` turns them into findings.
 """
 
 from __future__ import annotations
@@ -329,6 +334,7 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     if trace.facts.outcome in RUNNING_OUTCOMES:  # what was in flight at the snapshot is no hang
         roots = [root for root in roots if root.confirmed]
         progressing = progressing if roots else []
+    roots = _merge_co_missing(graph, _fold_consequences(roots, m))
     return HangAnalysis(end, False, status, last_activity, last_row, waits, graph, roots, details, progressing,
                         t_enqueue=te)
 
@@ -454,3 +460,72 @@ def _chain(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> tuple[list[st
             text += " (the call failed)"
         steps.append(text)
     return steps, wait
+
+
+def _fold_consequences(roots: list[RootCause], m: MatchResult) -> list[RootCause]:
+    """Fold each stuck instance or link that every participant entered and none completed (not a mismatch)
+    into the confirmed stopped-rank roots that one of its participants also waits for: its members wait for
+    that rank in other calls, and a rank's device runs its calls in order across groups (NCCL: one stream per
+    communicator, fed by compute that needs the stopped rank's data), so such a call is held up by the stop,
+    not by the network. Its participants and waiters join the rank root's waiters. Without a confirmed
+    stopped rank that its participants wait for, it stays a root."""
+    stopped = [r for r in roots if r.kind == "rank" and r.confirmed]
+    if not stopped:
+        return roots
+    kept = []
+    for root in roots:
+        own = root.kind == "link" or (root.kind == "instance" and root.detail is not None
+                                      and not root.detail.completed and not m.collectives.mismatch[root.node[1]])
+        members = set(root.detail.members if root.detail is not None else root.ranks)
+        hosts = [r for r in stopped if members & set(r.waiters)] if own else []
+        if not hosts:
+            kept.append(root)
+        for r in hosts:
+            r.waiters = tuple(sorted((set(r.waiters) | members | set(root.waiters)) - set(r.ranks)))
+    return kept
+
+
+def _merge_co_missing(graph: nx.DiGraph, roots: list[RootCause]) -> list[RootCause]:
+    """One root for the stopped ranks that one collective waits for together (its members that never entered
+    it, when each is a root of the same standing): torchfrtrace's "missing ranks" of that collective. Other
+    stopped ranks stay roots of their own."""
+    rank_roots = {r.node: r for r in roots if r.kind == "rank" and isinstance(r.node, int)}
+    if len(rank_roots) < 2:
+        return roots
+    parent = {n: n for n in rank_roots}
+
+    def find(n: int) -> int:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in graph.nodes:
+        if isinstance(node, tuple) and node[0] == "inst":
+            together = [m for m in graph.successors(node) if m in rank_roots]
+            for m in together[1:]:
+                a, b = find(together[0]), find(m)
+                if a != b and rank_roots[a].confirmed == rank_roots[b].confirmed:
+                    parent[b] = a
+    merged: dict[int, list[RootCause]] = {}
+    for n in rank_roots:
+        merged.setdefault(find(n), []).append(rank_roots[n])
+    out = []
+    for root in roots:
+        if root.kind != "rank" or not isinstance(root.node, int) or root.node not in parent:
+            out.append(root)
+        elif find(root.node) == root.node:
+            out.append(_merged(merged[root.node]) if len(merged[root.node]) > 1 else root)
+    return out
+
+
+def _merged(parts: list[RootCause]) -> RootCause:
+    ranks = tuple(sorted(r for p in parts for r in p.ranks))
+    waits = [p for p in parts if p.first_wait is not None]
+    lead = min(waits, key=lambda p: p.first_wait.since_ns) if waits else parts[0]
+    stops = [p.stop_ns for p in parts]
+    silences = [p.silence_ns for p in parts if p.silence_ns is not None]
+    gaps = [p.usual_gap_ns for p in parts if p.usual_gap_ns is not None]
+    return RootCause(lead.node, "rank", ranks, tuple(sorted(set().union(*(p.waiters for p in parts)) - set(ranks))),
+                     lead.first_wait, None if None in stops else min(stops), max(silences) if silences else None,
+                     max(gaps) if gaps else None, all(p.confirmed for p in parts), lead.chain, lead.chain_wait)

@@ -118,6 +118,7 @@ class NodeFacts:
     procs: dict[int, ProcFact] = field(default_factory=dict)
     outcome: str | None = None  # the launcher's own summary, e.g. "stalled"
     message: str | None = None
+    notes: dict[int, str] = field(default_factory=dict)  # rank -> what an importer's input says of its stop
 
 
 @dataclass
