@@ -121,7 +121,9 @@ def _classify(trace: TraceSet, hang: HangAnalysis, m: MatchResult, root: RootCau
         return Kind.DEADLOCK
     if root.kind == "instance":
         i = root.node[1]  # type: ignore[index]
-        return Kind.COLLECTIVE_MISMATCH if m.collectives.mismatch[i] else Kind.COMM_HANG
+        g = root.detail.group if root.detail is not None else None
+        known = not (g is not None and g.assigned)  # (calls assigned to a group by inference prove no mismatch)
+        return Kind.COLLECTIVE_MISMATCH if m.collectives.mismatch[i] and known else Kind.COMM_HANG
     if root.kind in ("link", "blocked-unknown"):
         return Kind.COMM_HANG
     rank = root.ranks[0]
@@ -282,6 +284,19 @@ def mismatch_findings(trace: TraceSet, m: MatchResult) -> list[Finding]:
     for mm in m.mismatches:
         by_key.setdefault((mm.gid, mm.field, mm.p2p), []).append(mm)
     out = []
+    assigned = {k: v for k, v in by_key.items() if (g := trace.groups.get(k[0])) is not None and g.assigned}
+    for key in assigned:
+        by_key.pop(key)
+    if assigned:
+        items = [mm for v in assigned.values() for mm in v]
+        out.append(Finding(
+            id="trace-problem:inferred-communicator-disagrees", severity=Severity.WARNING, kind=Kind.TRACE_PROBLEM,
+            subject=Subject(ranks=tuple(sorted({r for mm in items for rs in mm.values.values() for r in rs}))),
+            verdict=f"calls that inference put in one communicator disagree ({len(items)} of them, first: "
+                    f"{items[0].describe()}): the input names no communicator (no groupHash), so they may be calls "
+                    f"of different ones; no mismatch is claimed",
+            evidence=[mm.describe() for mm in items[:MAX_EVIDENCE]], confidence=1.0,
+            impact=len({k[0] for k in assigned})))
     for (gid, field_name, p2p), items in sorted(by_key.items()):
         g = trace.groups.get(gid)
         first = items[0]

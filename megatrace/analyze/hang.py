@@ -425,7 +425,9 @@ def _single_root(trace: TraceSet, m: MatchResult, node: Hashable, waiters: tuple
         d = details[i]
         stop = int(m.collectives.last_enter[i])
         gap = _usual_duration(trace, m, te, tc, int(m.index.inst_gidx[i]))
-        mismatched = bool(m.collectives.mismatch[i])  # can never complete: no doubt it is stuck
+        group = trace.groups.get(int(m.index.group_ids[m.index.inst_gidx[i]]))
+        # can never complete: no doubt it is stuck (unless its calls were only assigned to one group by inference)
+        mismatched = bool(m.collectives.mismatch[i]) and not (group is not None and group.assigned)
         return RootCause(node, "instance", tuple(d.entered), waiters, first_wait, stop, end - stop, gap,
                          mismatched, detail=d)
     _, src, dst = node
@@ -475,7 +477,7 @@ def _fold_consequences(roots: list[RootCause], m: MatchResult) -> list[RootCause
     kept = []
     for root in roots:
         own = root.kind == "link" or (root.kind == "instance" and root.detail is not None
-                                      and not root.detail.completed and not m.collectives.mismatch[root.node[1]])
+                                      and not root.detail.completed and not _mismatch(m, root))
         members = set(root.detail.members if root.detail is not None else root.ranks)
         hosts = [r for r in stopped if members & set(r.waiters)] if own else []
         if not hosts:
@@ -483,6 +485,12 @@ def _fold_consequences(roots: list[RootCause], m: MatchResult) -> list[RootCause
         for r in hosts:
             r.waiters = tuple(sorted((set(r.waiters) | members | set(root.waiters)) - set(r.ranks)))
     return kept
+
+
+def _mismatch(m: MatchResult, root: RootCause) -> bool:
+    """The root is a stuck instance whose members disagree, in a group whose calls are known to be its own."""
+    g = root.detail.group if root.detail is not None else None
+    return bool(m.collectives.mismatch[root.node[1]]) and not (g is not None and g.assigned)
 
 
 def _merge_co_missing(graph: nx.DiGraph, roots: list[RootCause]) -> list[RootCause]:

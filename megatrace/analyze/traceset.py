@@ -66,6 +66,8 @@ class GroupInfo:
     ranks: tuple[int, ...]
     backend: str = ""
     inferred: bool = False  # members guessed from who used the group (no meta line seen)
+    assigned: bool = False  # its calls were assigned to it by inference (no communicator id in the input): calls
+    #                         of other communicators may be among them, so a disagreement is no proven mismatch
 
     @property
     def kind(self) -> str:
@@ -81,7 +83,7 @@ class GroupInfo:
 
     def to_dict(self) -> dict:
         return {"gid": self.gid, "name": self.name, "desc": self.desc, "ranks": list(self.ranks),
-                "inferred": self.inferred}
+                "inferred": self.inferred, "assigned": self.assigned}
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class TraceSet:
     tail: int | None = None  # None: every record; K: only each rank's newest K records were loaded
     #                          (more for ranks whose tail had to be extended); see ``RankInfo.unread``
     meta: dict[int, list[dict]] | None = None  # each loaded rank's meta entries, as read (None: not kept)
+    imported: str = ""  # the foreign format it was imported from ("flight-recorder", ...); "" for ring files
+    world_source: str = "ring headers (torch.distributed world size)"  # where world_size came from
     completion_times: str = "observed"  # "arrivals": an imported format whose calls complete, as far as it
     #   knows, at their instance's last arrival (stragglers are judged call by call, no critical path);
     #   "inferred": coarser estimates, no timing stage runs on it (docs/importers.md)
