@@ -130,3 +130,83 @@ def test_a_missing_dump_of_a_waiting_rank_changes_nothing_else(case: str, tmp_pa
     next(p for p in path.iterdir() if re.search(rf"\D{gone}$", p.name)).unlink()
     ranks, top = verdict_ranks(path)
     assert ranks == culprits, top.verdict
+
+
+# -- Megatrace NCCL-patch logs (the older line format) of a 64-rank Megatron-LM run -----------------------------
+
+LOG_CASES = sorted(p.name[:-len(".tar.xz")] for p in REALDATA.glob("*.tar.xz")) if REALDATA.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each log case unpacked once (its ground truth, training_performance.log, stays in the folder: the analysis
+    never reads it)."""
+    import tarfile
+
+    out = {}
+    for case in LOG_CASES:
+        dest = tmp_path_factory.mktemp("realdata")
+        with tarfile.open(REALDATA / f"{case}.tar.xz") as tar:
+            tar.extractall(dest, filter="data")
+        (found,) = {p.parent for p in dest.rglob("rank_0.log")}
+        out[case] = found
+    return out
+
+
+def slow_truth(where: Path) -> tuple[int, int, float]:
+    """(slowed rank, its iteration counted from 1, that iteration's time in ms) from the training log."""
+    text = (where / "training_performance.log").read_text(errors="replace")
+    rank = int(re.search(r"begin slowdown in rank (\d+)", text).group(1))
+    times = {int(i): float(ms) for i, ms in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration "
+                                                      r"\(ms\): ([\d.]+)", text)}
+    steady = {i: ms for i, ms in times.items() if i > 1}  # (the first iteration includes the start-up)
+    slow = max(steady, key=steady.get)
+    return rank, slow, steady[slow]
+
+
+@needs_realdata
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LOG_CASES)
+def test_the_slowed_rank_is_named_first_with_its_step_and_lag(case: str, logs: dict[str, Path]) -> None:
+    rank, iteration, took_ms = slow_truth(logs[case])
+    result = analyze(logs[case], out_dir=logs[case].parent / "out")
+    top = result.findings[0]
+    assert top.kind == Kind.STRAGGLER and top.subject.rank == rank, top.verdict
+    (step,) = top.data["steps"]
+    it = result.results["iterations"]
+    assert step == iteration - 1  # the trace starts with the job: its step 0 is the first iteration
+    assert abs(it.step_ns[list(it.steps).index(step)] / 1e6 - took_ms) < 0.05 * took_ms
+    assert top.data["lag_ns"] > 10 * top.data["next_lag_ns"]
+    assert not [f for f in result.findings if f.severity.at_least(Severity.ERROR)], \
+        [f.verdict for f in result.findings if f.severity.at_least(Severity.ERROR)]
+
+
+def newer_format(src: Path, dest: Path, dump_every: int = 1000, ring: int = 2000) -> Path:
+    """The older-format logs re-emitted as the newer patch writes them (save_count dumps of a ring, opCount per
+    communicator, no groupHash): the same calls, more collective streams than the layout has kinds of group."""
+    from megatrace.analyze.importers.nccl_log_lines import parse_log
+
+    dest.mkdir()
+    for path in sorted(src.glob("rank_*.log")):
+        rank, calls = parse_log(path, [])
+        lines = [f"[{t // 10**9}.{t % 10**9:09d}] [Rank {rank}] Fun {fun} Data {data} stream {stream} opCount {op}"
+                 for t, fun, data, stream, op, _ in calls]
+        out = []
+        for save, end in enumerate(list(range(dump_every, len(lines), dump_every)) + [len(lines)], start=1):
+            out += [f"[save_count {save}] {line}" for line in lines[max(0, end - ring):end]]
+        (dest / path.name).write_text("\n".join(out) + "\n")
+    for extra in src.glob("*.sh"):
+        shutil.copy(extra, dest / extra.name)
+    return dest
+
+
+@needs_realdata
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LOG_CASES)
+def test_the_same_calls_in_the_newer_format_give_the_same_verdict_and_no_mismatch(case: str, logs: dict[str, Path],
+                                                                                  tmp_path: Path) -> None:
+    rank, _, _ = slow_truth(logs[case])
+    result = analyze(newer_format(logs[case], tmp_path / "newer"), out_dir=tmp_path / "out")
+    assert not [f for f in result.findings if f.kind == Kind.COLLECTIVE_MISMATCH]
+    top = result.findings[0]
+    assert top.kind == Kind.STRAGGLER and top.subject.rank == rank, top.verdict
