@@ -49,6 +49,8 @@ GAP_WINDOW = 1000  # recent records of a rank used for its usual gap between cal
 TAIL = 64  # last records per rank read for what it waits in (and its last activity): a rank waits in one place;
 #            a longer run of calls that never completed adds its oldest call in front (see _tails)
 MAX_PHANTOM_INSTANCES = 5000  # instances checked for completions that cannot be real
+MAX_UNTRACED = 64  # members without a trace that one collective waits for, named one by one (the first ones): a
+#                    group of a million ranks of which one file is present must not make a graph of a million nodes
 PHANTOM_OPS = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.BARRIER)
 NONE = np.iinfo(np.int64).min
 
@@ -305,8 +307,9 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
         i, p = int(ix.inst[row]), int(ix.pair[row])
         if i >= 0:
             target = ("inst", i)
-            for member in details[i].never_entered:
-                graph.add_edge(target, member)
+            if target not in graph:
+                for member in _named_absentees(trace, details[i].never_entered):
+                    graph.add_edge(target, member)
         elif p >= 0:
             is_send = rec.op[row] == Op.SEND
             other = int(ix.recv_row[p] if is_send else ix.send_row[p])
@@ -437,17 +440,37 @@ def _single_root(trace: TraceSet, m: MatchResult, node: Hashable, waiters: tuple
                      gap, False)
 
 
+def _named_absentees(trace: TraceSet, never_entered: tuple[int, ...]) -> list[int]:
+    """The members a collective waits for that get a node: every one with a trace, and the first
+    :data:`MAX_UNTRACED` of those without (the trace-problem finding counts the missing ranks)."""
+    traced = [r for r in never_entered if trace.has(r)]
+    if len(never_entered) - len(traced) <= MAX_UNTRACED:
+        return list(never_entered)
+    return sorted(traced + [r for r in never_entered if not trace.has(r)][:MAX_UNTRACED])
+
+
 def _chain(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> tuple[list[str], Wait | None]:
-    """The longest wait chain ending at the root, as words, one step per element."""
+    """The longest wait chain ending at the root, as words, one step per element (one breadth-first search back
+    from the root: the path to the farthest waiting rank follows the search's own steps)."""
     rev = graph.reverse(copy=False)
     best: tuple[int, int] | None = None
     best_path: list[Hashable] = []
-    for start in nodes:
-        dist = nx.single_source_shortest_path_length(rev, start)
-        for n, d in dist.items():
-            if isinstance(n, int) and n not in nodes and (best is None or (d, -n) > best):
-                best = (d, -n)
-                best_path = nx.shortest_path(graph, n, start)
+    for start in sorted(nodes, key=str):
+        parent: dict[Hashable, Hashable] = {start: start}
+        dist = {start: 0}
+        queue = [start]
+        for n in queue:  # (grows while it is read: a breadth-first search)
+            for p in rev.successors(n):
+                if p not in dist:
+                    dist[p], parent[p] = dist[n] + 1, n
+                    queue.append(p)
+        far = [(d, -n) for n, d in dist.items() if isinstance(n, int) and n not in nodes]
+        if far and (best is None or max(far) > best):
+            best = max(far)
+            path = [-best[1]]
+            while path[-1] != start:
+                path.append(parent[path[-1]])
+            best_path = path
     steps: list[str] = []
     wait: Wait | None = None
     for k, a in enumerate(best_path[:-1]):
