@@ -28,9 +28,10 @@ needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason="../shared/rea
 FR_CASES = sorted(p.name for p in REALDATA.iterdir() if (p / "dumps").is_dir()) if REALDATA.is_dir() else []
 
 
-def fault_ranks(case: str) -> set[int]:
-    """The injected faulty ranks, from the case's fault_injection.log (ground truth)."""
-    text = (REALDATA / case / "fault_injection.log").read_text()
+def fault_ranks(case: str | Path) -> set[int]:
+    """The injected faulty ranks, from a case's fault_injection.log (ground truth; ``case``: a name in
+    ``REALDATA`` or the case's folder)."""
+    text = (REALDATA / case / "fault_injection.log").read_text()  # (an absolute path replaces REALDATA)
     return {int(r) for r in re.search(r"Fault ranks: \[([\d, ]+)\]", text).group(1).split(",")}
 
 
