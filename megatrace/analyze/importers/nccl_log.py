@@ -155,34 +155,47 @@ def _columns(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, int], 
     chan_keys: dict[int, np.ndarray] = {}
     lines: dict[int, dict] = {}
     names: dict[int, tuple[str, str]] = {}
+    gid_of: dict[str, int] = {}
+    sole: dict[tuple[str, int], int] = {}  # (communicator, rank) -> the one other member of a pair (-1: not a pair)
+    code = {name: int(op) for name, op in FUNCS.items()}
+    send, recv = int(Op.SEND), int(Op.RECV)
     for rank in sorted(rank_calls):
         calls = rank_calls[rank]
-        cols = new_columns(len(calls))
-        key = np.full(len(calls), -1, np.int64)
-        chan = np.zeros(len(calls), np.int64)
+        n_calls = len(calls)
+        gids, ops, peers, key, chan = [0] * n_calls, [0] * n_calls, [-1] * n_calls, [-1] * n_calls, [0] * n_calls
         slot: Counter = Counter()
         for i, c in enumerate(calls):
             ckey, members = comm_of[(rank, i)]
-            gid = group_id("nccl", ckey)
-            op = FUNCS[c[1]]
-            cols["group_id"][i], cols["op"][i], cols["t_enqueue"][i], cols["nbytes"][i] = gid, op, c[0], c[2]
-            if gid not in lines:
+            gid = gid_of.get(ckey)
+            if gid is None:
+                gid = gid_of[ckey] = group_id("nccl", ckey)
                 desc = layout_kind(members, config)
                 lines[gid] = {"kind": "group", "gid": gid, "name": ckey, "desc": desc, "ranks": list(members),
                               "backend": "nccl"}
                 names[gid] = (ckey, desc)
-            peer = -1
-            if op in (Op.SEND, Op.RECV):
-                others = [m for m in members if m != rank]
-                peer = others[0] if len(others) == 1 else partners.get((rank, i), (-1, 0))[0]
-                cols["peer"][i] = peer
-            src, dst = (rank, peer) if op == Op.SEND else (peer, rank) if op == Op.RECV else (0, 0)
-            n = slot[(gid, c[4], op if op in (Op.SEND, Op.RECV) else 0, peer)]
-            slot[(gid, c[4], op if op in (Op.SEND, Op.RECV) else 0, peer)] += 1
+            op = code[c[1]]
+            gids[i], ops[i] = gid, op
+            if op == send or op == recv:
+                other = sole.get((ckey, rank))
+                if other is None:
+                    other = sole[(ckey, rank)] = (members[1] if members[0] == rank else members[0]) \
+                        if len(members) == 2 and rank in members else -1
+                peer = other if other >= 0 else partners.get((rank, i), (-1, 0))[0]
+                peers[i] = peer
+                src, dst = (rank, peer) if op == send else (peer, rank)
+                chan[i] = (src + 1) << 21 | (dst + 1)
+                place = (gid, c[4], op, peer)
+            else:
+                place = (gid, c[4], 0, -1)
+            n = slot[place]
+            slot[place] = n + 1
             key[i] = partners[(rank, i)][1] if (rank, i) in partners else c[4] * OP_SLOTS + n
-            chan[i] = ((src + 1) << 21 | (dst + 1)) if op in (Op.SEND, Op.RECV) else 0
+        cols = new_columns(n_calls)
+        cols["group_id"][:], cols["op"][:], cols["peer"][:] = gids, ops, peers
+        cols["t_enqueue"][:] = [c[0] for c in calls]
+        cols["nbytes"][:] = [c[2] for c in calls]
         ranks.append(ImportedRank(rank, paths[rank], cols, groups=[]))
-        keys[rank], chan_keys[rank] = key, chan
+        keys[rank], chan_keys[rank] = np.array(key, np.int64), np.array(chan, np.int64)
     dense_group_seq(ranks, keys, chan_keys)
     for r in ranks:
         r.groups = [lines[g] for g in np.unique(r.columns["group_id"]).tolist()]
