@@ -7,7 +7,9 @@ arrival of its tensor-parallel *and* data-parallel collectives in the step where
 than any other rank is last of anything in that step. A rank that only waits for it (its pipeline
 neighbours, the other members of its data-parallel group in other stages) comes last in one kind of
 group at most: taking, per rank and step, the smaller of its two largest lags (tensor- and data-parallel)
-keeps the waiting ranks out. :func:`arrival_lag_stragglers` names the rank and the step, with the lag.
+keeps the waiting ranks out. :func:`arrival_lag_stragglers` names the rank and the step, with the lag. A
+trace without steps after the first (warm-up) is not judged, nor one that ends in a hang (the stuck ranks'
+last lags are the hang's, and it comes first).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class ArrivalLag:
     """One step in which one rank kept its TP and DP peers waiting by far the longest."""
 
     rank: int
-    step: int  # the step number (Iterations.steps), -1 when the trace has no steps
+    step: int  # the step number (Iterations.steps)
     lag_ns: int  # the smaller of its largest TP and DP lags in the step
     lags_ns: dict[str, int]  # kind -> its largest lag of that kind in the step
     next_rank: int  # the rank with the next largest lag in the step (-1: none)
@@ -52,7 +54,7 @@ def arrival_lag_stragglers(trace: TraceSet, ix: RecordIndex, it: Iterations, te:
     """The (rank, step) pairs of :mod:`arrival_lag`'s module docstring, largest lag first."""
     rec = trace.records
     kind_of = {gid: KINDS.index(g.desc) for gid, g in trace.groups.items() if g.desc in KINDS and len(g.ranks) > 1}
-    if not kind_of or not len(rec):
+    if not kind_of or not len(rec) or it.n_steps <= WARMUP_STEPS:  # (a lag is judged against its own step)
         return []
     gid = ix.group_ids[ix.inst_gidx]  # per instance
     inst_kind = np.array([kind_of.get(int(g), -1) for g in gid], np.int64) if len(gid) else np.empty(0, np.int64)
@@ -67,11 +69,11 @@ def arrival_lag_stragglers(trace: TraceSet, ix: RecordIndex, it: Iterations, te:
     lag = te[rows[last]] - te[rows[last - 1]]
     who = np.searchsorted(trace.ranks, rec.rank[rows[last]])
     kind = inst_kind[inst[last]]
-    steps = it.steps if it.n_steps else np.array([-1])
-    step_of = it.record_step[rows[last]] if it.n_steps else np.full(len(last), -1)
+    steps = it.steps
+    step_of = it.record_step[rows[last]]
     col = np.searchsorted(steps, step_of)
     ok = (col < len(steps)) & (steps[np.minimum(col, len(steps) - 1)] == step_of) & (step_of >= steps[0] +
-                                                                                    (WARMUP_STEPS if it.n_steps else 0))
+                                                                                    WARMUP_STEPS)
     worst = np.zeros((len(trace.ranks), len(steps), len(KINDS)), np.int64)
     np.maximum.at(worst, (who[ok], col[ok], kind[ok]), lag[ok])
     member = np.zeros((len(trace.ranks), len(KINDS)), bool)  # the kinds each rank has peers in
@@ -81,7 +83,7 @@ def arrival_lag_stragglers(trace: TraceSet, ix: RecordIndex, it: Iterations, te:
             member[pos, kind_of[g.gid]] = True
     score = np.where(member[:, None, :], worst, np.iinfo(np.int64).max).min(axis=2)
     score[~member.any(axis=1)] = 0
-    step_ns = int(np.median(it.step_ns)) if it.n_steps else 0
+    step_ns = int(np.median(it.step_ns))
     floor = MIN_LAG_SHARE * step_ns
     out = []
     for s in range(len(steps)):
@@ -92,7 +94,7 @@ def arrival_lag_stragglers(trace: TraceSet, ix: RecordIndex, it: Iterations, te:
             r = int(trace.ranks[order[0]])
             lags = {k: int(worst[order[0], s, i]) for i, k in enumerate(KINDS) if member[order[0], i]}
             out.append(ArrivalLag(r, int(steps[s]), top, lags, int(trace.ranks[order[1]]) if len(order) > 1 else -1,
-                                  nxt, step_ns, int(it.step_ns[s]) if it.n_steps else 0))
+                                  nxt, step_ns, int(it.step_ns[s])))
     return sorted(out, key=lambda a: -a.lag_ns)
 
 
@@ -105,9 +107,9 @@ def arrival_lag_findings(trace: TraceSet, lags: list[ArrivalLag], known: dict[in
     out = []
     for rank, mine in by_rank.items():
         a = mine[0]
-        where = f"step {a.step}" if a.step >= 0 else "the trace"
+        where = f"step {a.step}"
         took = (f" (the trace's steps counted from 0; it took {duration(a.this_step_ns)}, steps take "
-                f"{duration(a.step_ns)})" if a.this_step_ns and a.step_ns else "")
+                f"{duration(a.step_ns)})")
         per_kind = ", ".join(f"{k.upper()} {duration(v)}" for k, v in a.lags_ns.items())
         evidence = [f"{where}: its {' and '.join(k.upper() for k in a.lags_ns)} peers waited for it as the last "
                     f"arrival ({per_kind}; the smaller counts); the next rank, {a.next_rank}, kept anyone waiting "

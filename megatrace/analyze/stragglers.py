@@ -546,7 +546,9 @@ def straggler_stage(ctx) -> list[Finding]:  # ctx: megatrace.analyze.engine.Anal
     _impact(ctx, res)
     ctx.results["stragglers"] = res
     found = straggler_findings(ctx.trace, res)
-    if ctx.trace.completion_times != "observed":  # enqueue times only: who came last, step by step
+    hang = ctx.results.get("hang")
+    if ctx.trace.completion_times != "observed" and not (hang is not None and hang.roots):  # enqueue times only:
+        # who came last, step by step (not in a job that hung: its last lags are the hang's)
         from megatrace.analyze.arrival_lag import arrival_lag_findings, arrival_lag_stragglers
 
         lags = arrival_lag_stragglers(ctx.trace, ctx.match.index, it, ctx.clock.t_enqueue)
