@@ -149,8 +149,9 @@ def _verdict(trace: TraceSet, kind: Kind, root: RootCause, n_wait: int, hosts: l
     what = f" in {w.label}" if w else ""
     if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
         what = f" (first rank {w.rank}, in {w.label})" if w else ""
-        who = rank_label(trace, root.ranks[0]) if len(root.ranks) == 1 else \
-            "ranks " + " and ".join(rank_label(trace, r)[5:] for r in root.ranks[:MAX_EVIDENCE])
+        named = [rank_label(trace, r).removeprefix("rank ") for r in root.ranks[:MAX_EVIDENCE]]
+        who = f"rank {named[0]}" if len(named) == 1 else "ranks " + ", ".join(named[:-1]) + " and " + named[-1] + \
+            (f" (and {len(root.ranks) - len(named)} more)" if len(root.ranks) > len(named) else "")
         head = {Kind.COMPUTE_HANG: f"{who} stopped outside communication",
                 Kind.CRASHED_PROCESS: f"{who} crashed",
                 Kind.EXITED_EARLY: f"{who} exited early",
