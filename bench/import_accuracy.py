@@ -1,6 +1,13 @@
-"""Culprit accuracy of the importers on real demo runs: the same run read from rings and three foreign formats.
+"""Culprit accuracy of the importers: real diagnostic data nobody here wrote, and real demo runs in every format.
 
-    python bench/import_accuracy.py [--runs 12] [--seed 0] [--steps 6]
+    python bench/import_accuracy.py [--runs 12] [--seed 0] [--steps 6] [--realdata DIR]
+
+First table, real data (``../shared/realdata``, see its README; skipped when absent): each case with its
+ground truth (read here only, never by the analysis), MegaTrace's first finding, right or wrong, its time,
+and for Flight Recorder dumps what ``torchfrtrace`` (torch's own analyzer, run in the same process tree)
+names: the missing ranks it reports first, and every rank it names anywhere. Right: MegaTrace's first
+finding names exactly the culprits (a hang's ranks for the dumps, the straggler for the logs, with the
+slowed iteration as its step); torchfrtrace's first missing ranks are exactly the culprits.
 
 Each run is the real 4- or 8-rank demo (TP2 x PP2 x DP1, TP2 x PP2 x DP2 or TP2 x PP4 x DP1,
 torch.distributed over gloo) with one
@@ -10,7 +17,7 @@ Recorder dumps (gloo: arrivals only), NCCL Inspector lines and Megatrace NCCL-pa
 it by the tests' writers (tests/test_import_inspector.py, tests/test_import_nccl_log.py; logs with and
 without groupHash in turn). A run counts as right when exactly the slow rank is named a straggler
 (none for a control). Prints one line per run and format, then the share right per format and its
-ratio to the rings'.
+ratio to the rings' (``--runs 0``: the real-data table only).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from test_import_inspector import write_inspector  # noqa: E402  (the tests' for
 from test_import_nccl_log import write_nccl_logs  # noqa: E402
 
 FORMATS = ("rings", "flight-recorder", "inspector", "nccl-log")
+REALDATA = Path(__file__).resolve().parents[1].parent / "shared" / "realdata"
 
 
 def stragglers(path: Path, fmt: str) -> list[int]:
@@ -61,11 +69,21 @@ def one_run(out: Path, index: int, layout: tuple[int, int, int], slow: int | Non
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=12)
+    ap.add_argument("--runs", type=int, default=12, help="Demo runs (0: the real-data table only).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--keep", type=Path, default=None, help="Keep the runs in this folder (to look at a miss).")
+    ap.add_argument("--realdata", type=Path, default=REALDATA,
+                    help="Folder of real cases with their ground truth [default: ../shared/realdata].")
     args = ap.parse_args()
+    if args.realdata.is_dir():
+        from realdata_table import print_realdata_table
+
+        print_realdata_table(args.realdata)
+    else:
+        print(f"(no real data at {args.realdata}: its table is skipped)\n")
+    if args.runs <= 0:
+        return 0
     rng = random.Random(args.seed)
     right = dict.fromkeys(FORMATS, 0)
     t0 = time.perf_counter()

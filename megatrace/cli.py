@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -150,6 +151,12 @@ Examples:
   megatrace analyze traces/ --tp 8 --pp 4 --json out/findings.json
   megatrace analyze traces/ --fail-on error || echo "job needs attention"
   megatrace analyze traces/ --quick        # a hung job: who is stuck, in seconds
+  megatrace analyze fr-dumps/ -o /tmp/job-1234   # everything it writes goes there
+
+\b
+Output: findings.json, report.html, trace.json and job.yaml go to --out: by default TRACE_DIR
+for MegaTrace rings, and a new TRACE_DIR-megatrace beside it for the other formats (files
+another tool wrote are never written into).
 
 \b
 Exit status:
@@ -164,8 +171,11 @@ Exit status:
 @click.option("--tp", type=click.IntRange(1), help="Tensor-parallel size (instead of --layout).")
 @click.option("--pp", type=click.IntRange(1), help="Pipeline-parallel size (instead of --layout).")
 @click.option("--dp", type=click.IntRange(1), help="Data-parallel size [default: world / (tp*pp)].")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="Directory for findings.json, report.html, trace.json and job.yaml [default: TRACE_DIR for "
+                   "rings, TRACE_DIR-megatrace beside it for imported formats].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help="Where to write the findings [default: DIR/findings.json].")
+              help="Where to write the findings [default: OUT/findings.json].")
 @click.option("--fail-on", type=click.Choice(["critical", "error", "warning", "info"]), default=None,
               help="Exit with status 3 when a finding of this severity or worse exists.")
 @click.option("--quick", is_flag=True,
@@ -179,7 +189,8 @@ Exit status:
               help="Input format: MegaTrace rings, PyTorch Flight Recorder dumps, Megatrace NCCL-patch logs "
                    "(rank_<R>.log) or NCCL Inspector JSON lines; auto detects it (docs/importers.md).")
 def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
-            json_path: str | None, fail_on: str | None, quick: bool, no_report: bool, trace_format: str) -> None:
+            out_dir: str | None, json_path: str | None, fail_on: str | None, quick: bool, no_report: bool,
+            trace_format: str) -> None:
     """Analyze a trace directory: name the rank, group or link that hung or failed the job.
 
     TRACE_DIR holds the ring files (in TRACE_DIR/rings/ or directly), and optionally
@@ -187,7 +198,7 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
     findings.json (schema: docs/findings-schema.md). With --quick, a slow job is not
     diagnosed (stragglers and the critical path need whole iterations).
     """
-    from megatrace.analyze.engine import LayoutSpec, analyze as run_analysis
+    from megatrace.analyze.engine import LayoutSpec, analyze as run_analysis, output_dir
     from megatrace.analyze.findings import Severity
     from megatrace.analyze.load import TraceLoadError
     from megatrace.analyze.summary import render_summary
@@ -197,9 +208,16 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
         raise click.UsageError("give either --layout or --tp/--pp/--dp, not both")
     layout = layout_file or (LayoutSpec(tp, pp, dp) if (tp or pp or dp) else None)
     try:
-        result = run_analysis(trace_dir, layout=layout, mode="hang" if quick else "full", format=trace_format)
+        result = run_analysis(trace_dir, layout=layout, mode="hang" if quick else "full", format=trace_format,
+                              out_dir=out_dir)
     except (TraceLoadError, LayoutError) as exc:
         raise MegatraceError(str(exc)) from None
+    out = Path(out_dir) if out_dir is not None else output_dir(result.trace)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MegatraceError(f"cannot create the output directory {out}: {exc.strerror}; give one with "
+                             f"-o/--out DIR") from None
     if quick:
         skipped = result.results.get("skipped_stages") or []
         source = (f"the newest {result.trace.tail} records of each rank" if result.trace.tail is not None
@@ -207,7 +225,7 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
         click.echo(f"quick analysis: hang localisation from {source}"
                    + (f"; not run: {', '.join(skipped)}" if skipped else ""), err=True)
     click.echo(render_summary(result))
-    target = json_path or os.path.join(trace_dir, "findings.json")
+    target = json_path or str(out / "findings.json")
     result.results["command"] = _analyze_command(trace_dir, layout_file, tp, pp, dp, quick)  # shown in the report
     if trace_format != "auto":
         result.results["command"] += f" --format {trace_format}"

@@ -82,3 +82,54 @@ def test_layout_file_and_sizes_are_exclusive(runner: CliRunner, tmp_path: Path) 
     layout.write_text("world_size: 4\ntp: 2\npp: 1\ndp: 2\nbogus: 1\n")
     result = runner.invoke(main, ["analyze", str(trace), "--layout", str(layout)])
     assert result.exit_code == 1 and "unknown key 'bogus'" in result.output
+
+
+def _fr_dumps(where: Path) -> Path:
+    """Two ranks' Flight Recorder dumps (gloo, one all_reduce each, rank 1 missing from the last): a foreign
+    format, written as torch would."""
+    import pickle
+
+    where.mkdir(parents=True)
+    for rank in range(2):
+        entries = [{"record_id": i, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": i + 1,
+                    "p2p_seq_id": 0, "op_id": i + 1, "profiling_name": "gloo:all_reduce",
+                    "time_created_ns": 10**18 + i * 10**6, "input_sizes": [[4]], "input_dtypes": ["Float"],
+                    "state": "scheduled", "retired": i < 4, "is_p2p": False} for i in range(5 if rank == 0 else 4)]
+        dump = {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+                "pg_status": {}, "entries": entries}
+        (where / f"fr_rank_{rank}").write_bytes(pickle.dumps(dump))
+    return where
+
+
+def test_out_holds_everything_and_nothing_is_written_into_the_input(runner: CliRunner, tmp_path: Path) -> None:
+    for trace in (hung(tmp_path), _fr_dumps(tmp_path / "fr")):
+        before = sorted(p.name for p in trace.iterdir())
+        out = tmp_path / f"out-{trace.name}"
+        result = runner.invoke(main, ["analyze", str(trace), "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert sorted(p.name for p in trace.iterdir()) == before
+        assert {"findings.json", "report.html", "trace.json", "job.yaml"} <= {p.name for p in out.iterdir()}
+
+
+def test_an_imported_format_is_analysed_into_a_new_directory_beside_it(runner: CliRunner, tmp_path: Path) -> None:
+    dumps = _fr_dumps(tmp_path / "dumps")
+    before = sorted(p.name for p in dumps.iterdir())
+    result = runner.invoke(main, ["analyze", str(dumps)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in dumps.iterdir()) == before  # not one file written into the foreign input
+    beside = tmp_path / "dumps-megatrace"
+    assert {"findings.json", "report.html", "job.yaml"} <= {p.name for p in beside.iterdir()}
+    job = (beside / "job.yaml").read_text()
+    assert "ring headers" not in job and "flight-recorder: the highest rank its files and groups name" in job
+    rings = hung(tmp_path)  # ring files: as before, into the trace directory
+    assert runner.invoke(main, ["analyze", str(rings)]).exit_code == 0
+    assert (rings / "findings.json").exists() and not (tmp_path / "hung-megatrace").exists()
+
+
+def test_an_output_directory_that_cannot_be_made_is_one_error_line(runner: CliRunner, tmp_path: Path) -> None:
+    trace = hung(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = runner.invoke(main, ["analyze", str(trace), "-o", str(blocker / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.output.strip().splitlines()[-1].startswith("Error: ") and "-o/--out" in result.output

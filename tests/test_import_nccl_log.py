@@ -32,8 +32,10 @@ FUNCS = {Op.ALL_REDUCE: "AllReduce", Op.ALL_GATHER: "AllGather", Op.REDUCE_SCATT
          Op.BROADCAST: "Broadcast", Op.REDUCE: "Reduce", Op.SEND: "Send", Op.RECV: "Recv"}
 
 
-def _calls(trace: TraceSet, rank: int) -> list[tuple[int, str, int, str, int, int]]:
-    """One rank's calls as the patch would log them: (wall ns, Fun, Data, stream, opCount, groupHash)."""
+def _calls(trace: TraceSet, rank: int, split: bool = False) -> list[tuple[int, str, int, str, int, int]]:
+    """One rank's calls as the patch would log them: (wall ns, Fun, Data, stream, opCount, groupHash). ``split``:
+    each group's collectives go to two communicators by turns (two streams, their own opCounts and groupHash), as
+    Megatron's groups of the same members made twice (data parallel with and without context parallelism)."""
     rec, info = trace.records, trace.info(rank)
     rows = trace.rows(rank)
     op_count: dict[int, int] = {}
@@ -51,25 +53,35 @@ def _calls(trace: TraceSet, rank: int) -> list[tuple[int, str, int, str, int, in
             op_count[gid] = op_count.get(gid, -1) + 1
         batch_end[gid] = max(batch_end.get(gid, -1), int(rec.t_complete[i])) if rec.flags[i] & Flag.BATCHED else -1
         wall = info.anchor_wall_ns + int(rec.t_enqueue[i]) - info.anchor_mono_ns
-        stream = f"0x{0x55919d000000 + 0x10000 * rank + 0x100 * sorted(trace.groups).index(gid):x}"
-        ghash = zlib.crc32(",".join(map(str, members)).encode())
-        out.append((wall, FUNCS[op], int(rec.nbytes[i]) // 4, stream, op_count[gid], ghash))
+        twin = int(split and op not in (Op.SEND, Op.RECV) and int(rec.group_seq[i]) % 2)  # the second communicator
+        stream = f"0x{0x55919d000000 + 0x10000 * rank + 0x100 * sorted(trace.groups).index(gid) + 0x10 * twin:x}"
+        ghash = zlib.crc32(",".join(map(str, members)).encode()) + twin
+        count = int(rec.group_seq[i]) // 2 if split and op not in (Op.SEND, Op.RECV) else op_count[gid]
+        out.append((wall, FUNCS[op], int(rec.nbytes[i]) // 4, stream, count, ghash))
         if len(out) % 7 == 0:  # a one-rank communicator: its opCount stays 0
             out.append((wall + 1000, "Broadcast", 1, f"0x{0x77000000 + rank:x}", 0, 1_000_000 + rank))
     return out
 
 
-def write_nccl_logs(trace: TraceSet, out: Path, *, group_hash: bool, ring: int = 9999, dump_every: int = 40) -> dict:
+def write_nccl_logs(trace: TraceSet, out: Path, *, group_hash: bool, ring: int = 9999, dump_every: int = 40,
+                    old_format: bool = False, split: bool = False) -> dict:
     """The demo's calls as ``rank_<R>.log`` files of the NCCL patch; returns rank -> calls written.
 
     Every ``dump_every`` calls (the patch dumps when the rank goes idle) and at the end, the rank's ring
     of the last ``ring`` lines is appended as one dump (``save_count`` 1, 2, ...): dumps overlap.
+    ``old_format``: the older line format instead (no save_count, opCount or groupHash; every call once).
+    ``split``: each collective group on two streams (see :func:`_calls`).
     """
     out.mkdir(parents=True, exist_ok=True)
     written = {}
     for rank in trace.ranks.tolist():
-        calls = _calls(trace, rank)
+        calls = _calls(trace, rank, split)
         written[rank] = calls
+        if old_format:
+            (out / f"rank_{rank}.log").write_text("".join(
+                f"[{wall // 10**9}.{wall % 10**9:09d}] [Rank {rank}] Fun {fun} Data {data} stream {stream}\n"
+                for wall, fun, data, stream, _, _ in calls))
+            continue
         lines = []
         ends = list(range(dump_every, len(calls), dump_every)) + [len(calls)]
         for save, end in enumerate(ends, start=1):
@@ -116,6 +128,25 @@ def test_the_hung_rank_is_named_from_nccl_logs(demo: tuple[TraceSet, int], tmp_p
     assert top.kind == Kind.COMPUTE_HANG, top.verdict
     assert top.subject.rank == culprit, top.verdict
     assert top.severity in (Severity.CRITICAL, Severity.WARNING)
+
+
+@pytest.mark.parametrize("old_format", [False, True], ids=["save_count-lines", "older-lines"])
+def test_more_streams_than_groups_are_matched_by_their_calls(demo: tuple[TraceSet, int], tmp_path: Path,
+                                                           old_format: bool) -> None:
+    """Each group's calls on two streams (Megatron makes groups of the same members twice), without groupHash, in
+    both line formats: the streams are matched by their calls, no communicator is merged into the world (where
+    the calls of different ones would pair up and look like a mismatch), and the culprit is named."""
+    trace, culprit = demo
+    write_nccl_logs(trace, tmp_path / "logs", group_hash=False, old_format=old_format, split=True)
+    got = load_trace(tmp_path / "logs")
+    assert not [g for g in got.groups.values() if len(g.ranks) == len(got.ranks) and g.desc != "pp"], \
+        [g.label for g in got.groups.values()]
+    assert any(p.code == "nccl-log-streams" for p in got.problems)
+    result = analyze(tmp_path / "logs")
+    assert not [f for f in result.findings if f.kind == Kind.COLLECTIVE_MISMATCH], \
+        [f.verdict for f in result.findings if f.kind == Kind.COLLECTIVE_MISMATCH]
+    top = result.findings[0]
+    assert top.kind == Kind.COMPUTE_HANG and top.subject.rank == culprit, top.verdict
 
 
 def test_completions_are_inferred_from_arrivals(demo: tuple[TraceSet, int], tmp_path: Path) -> None:

@@ -173,9 +173,18 @@ class AnalysisResult:
         return [f for f in self.findings if f.severity.at_least(severity)]
 
 
-def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None, given: bool) -> Any:
-    """Build the job configuration (megatrace.jobconfig), write ``job.yaml`` beside the traces, and give the
-    trace its layout when none was given. Never fails the analysis: a problem becomes a LoadProblem."""
+def output_dir(trace: TraceSet) -> Path:
+    """Where an analysis writes by default: beside ring files, in the trace directory; for an imported format
+    (files nobody here wrote, maybe read-only), a new directory beside it, ``<name>-megatrace``."""
+    path = Path(trace.path)
+    return path if not trace.imported else path.resolve().parent / f"{path.resolve().name}-megatrace"
+
+
+def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None, given: bool,
+                out_dir: Path | None = None) -> Any:
+    """Build the job configuration (megatrace.jobconfig), write ``job.yaml`` into ``out_dir`` (default:
+    :func:`output_dir`), and give the trace its layout when none was given. Never fails the analysis: a
+    problem becomes a LoadProblem."""
     from megatrace.jobconfig import build_job_config, job_layout, write_job_yaml
 
     explicit = None
@@ -194,23 +203,27 @@ def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None
         if inferred is not None:
             trace.layout = fit_layout(inferred, trace.world_size, f"job configuration ({job.sizes_label()})",
                                       trace.problems)
+    target = (out_dir or output_dir(trace)) / "job.yaml"
     try:
-        write_job_yaml(job, trace.path / "job.yaml")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_job_yaml(job, target)
     except OSError as exc:
-        trace.problems.append(LoadProblem("warning", "job-config", f"cannot write {trace.path / 'job.yaml'}: "
-                                          f"{exc.strerror}", paths=(str(trace.path / "job.yaml"),)))
+        trace.problems.append(LoadProblem("warning", "job-config", f"cannot write {target}: {exc.strerror}",
+                                          paths=(str(target),)))
     return job
 
 
 def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | None = None,
             stages: list[tuple[str, Stage]] | None = None, mode: str = "full",
-            format: str = "auto") -> AnalysisResult:  # noqa: A002 - load_trace's format (docs/importers.md)
+            format: str = "auto",  # noqa: A002 - load_trace's format (docs/importers.md)
+            out_dir: str | Path | None = None) -> AnalysisResult:
     """Analyse a trace directory and return ordered findings (the first one is the verdict).
 
     ``layout``: a :class:`Layout`, a :class:`LayoutSpec` (sizes from the command line), a path to a
     layout YAML, or None to use ``layout.yaml`` in the trace directory when present.
     ``mode``: ``"full"`` (everything) or ``"hang"`` (tails only; of ``stages``, default :data:`STAGES`,
     only those in :data:`HANG_MODE_STAGES` run; ``results["skipped_stages"]`` names the others).
+    ``out_dir``: where ``job.yaml`` goes (default :func:`output_dir`: never inside an imported format's files).
     Raises :class:`megatrace.analyze.load.TraceLoadError` when the directory is not a trace and
     :class:`megatrace.config.LayoutError` when a given layout file is unreadable.
     """
@@ -232,7 +245,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
             trace.layout = None
             trace.problems.append(LoadProblem("error", "layout", f"{exc}; analysing without a layout"))
     job = _job_config(trace, spec is not None, layout if isinstance(layout, (str, Path)) else None,
-                      isinstance(layout, Layout))
+                      isinstance(layout, Layout), Path(out_dir) if out_dir is not None else None)
     timings["load"] = time.perf_counter() - t0
     t = time.perf_counter()
     index = index_records(trace)

@@ -94,28 +94,38 @@ def _root_sentence(trace: TraceSet, hang: HangAnalysis, root: RootCause) -> str:
         return f"ranks {rank_list(list(root.ranks))} wait on each other in a cycle"
     if root.kind == "blocked-unknown":
         return f"rank {root.ranks[0]} waits in {w.label if w else 'an operation'} whose partners are unknown"
-    rank = root.ranks[0]
+    who = f"rank {root.ranks[0]}" if len(root.ranks) == 1 else f"ranks {rank_list(list(root.ranks))}"
     if w is not None and trace.records.op[w.row] in (Op.SEND, Op.RECV):
         other = "recv" if trace.records.op[w.row] == Op.SEND else "send"
-        head = f"rank {rank} never posted the matching {other}"
+        head = f"{who} never posted the matching {other}"
     else:
-        head = f"rank {rank} never entered it"
+        head = f"{who} never entered it"
+    if len(root.ranks) == 1 and w is not None and root.ranks[0] in _members_stuck_in(hang, w):
+        head = f"{who} entered it and then stopped running"  # frozen inside: it waits for nothing, others for it
+    if len(root.ranks) == 1:
+        return f"{head}; {_stop_text(trace, hang, root.ranks[0])}"
+    return f"{head}; " + "; ".join(f"rank {r}: {_stop_text(trace, hang, r)}" for r in root.ranks)
+
+
+def _stop_text(trace: TraceSet, hang: HangAnalysis, rank: int) -> str:
+    """What is known of a stopped rank: its last op, its process, what the input says of its stop."""
     status = hang.status.get(rank)
     if status == RankStatus.MISSING:
-        return f"{head}; it has no trace (its ring file is missing), so why is unknown"
-    live = hang.liveness
-    if rank in live.frozen or rank in live.crashed:
-        if w is not None and rank in _members_stuck_in(hang, w):
-            head = f"rank {rank} entered it and then stopped running"
-        return f"{head}; {live.frozen.get(rank) or live.crashed[rank]}; {_last_op_text(trace, hang, rank)}"
-    tail = _last_op_text(trace, hang, rank)
+        return "it has no trace (its ring file is missing), so why is unknown"
+    live = hang.liveness.frozen.get(rank) or hang.liveness.crashed.get(rank)
+    if live:  # what its process says: stopped, wedged or gone
+        return f"{live}; {_last_op_text(trace, hang, rank)}"
+    note = trace.facts.notes.get(rank)
+    tail = note if note and hang.last_row.get(rank) is None else _last_op_text(trace, hang, rank)
+    if note and tail != note:
+        tail += f"; {note}"
     proc = trace.facts.procs.get(rank)
     if proc is not None and proc.crashed:
         tail += f"; its process {proc.describe()}"
     elif status == RankStatus.FINISHED:
         tail += "; its process then exited (its tracer closed cleanly)"
     phase = _phase_text(trace, rank)
-    return f"{head}; {tail}" + (f" ({phase})" if phase else "")
+    return tail + (f" ({phase})" if phase else "")
 
 
 def _members_stuck_in(hang: HangAnalysis, w: Wait) -> tuple[int, ...]:
@@ -131,7 +141,9 @@ def _classify(trace: TraceSet, hang: HangAnalysis, m: MatchResult, root: RootCau
         return Kind.DEADLOCK
     if root.kind == "instance":
         i = root.node[1]  # type: ignore[index]
-        return Kind.COLLECTIVE_MISMATCH if m.collectives.mismatch[i] else Kind.COMM_HANG
+        g = root.detail.group if root.detail is not None else None
+        known = not (g is not None and g.assigned)  # (calls assigned to a group by inference prove no mismatch)
+        return Kind.COLLECTIVE_MISMATCH if m.collectives.mismatch[i] and known else Kind.COMM_HANG
     if root.kind in ("link", "blocked-unknown"):
         return Kind.COMM_HANG
     rank = root.ranks[0]
@@ -161,15 +173,17 @@ def _verdict(trace: TraceSet, kind: Kind, root: RootCause, n_wait: int, hosts: l
     what = f" in {w.label}" if w else ""
     if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
         what = f" (first rank {w.rank}, in {w.label})" if w else ""
-        who = rank_label(trace, root.ranks[0])
-        frozen = root.ranks[0] in hang.liveness.frozen
+        named = [rank_label(trace, r).removeprefix("rank ") for r in root.ranks[:MAX_EVIDENCE]]
+        who = f"rank {named[0]}" if len(named) == 1 else "ranks " + ", ".join(named[:-1]) + " and " + named[-1] + \
+            (f" (and {len(root.ranks) - len(named)} more)" if len(root.ranks) > len(named) else "")
+        frozen = all(r in hang.liveness.frozen for r in root.ranks)
         head = {Kind.COMPUTE_HANG: f"{who} stopped running" if frozen else f"{who} stopped outside communication",
                 Kind.CRASHED_PROCESS: f"{who} crashed",
                 Kind.EXITED_EARLY: f"{who} exited early",
                 Kind.NO_TRACE: f"{who} has no trace"}[kind]
         if root.silence_ns is not None and kind != Kind.NO_TRACE:
             head += f" {duration(root.silence_ns)} before the end of the trace"
-        return f"{head}; {waiting} for it{what}" if n_wait else head
+        return f"{head}; {waiting} for {'it' if len(root.ranks) == 1 else 'them'}{what}" if n_wait else head
     if kind == Kind.DEADLOCK:
         return (f"deadlock: ranks {rank_list(list(root.ranks))} wait on each other in a cycle; "
                 f"{n_wait} more wait on them")
@@ -226,8 +240,10 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
                        "possible hang (not confirmed: its usual gap between calls is as long): ") + verdict
         if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
             group = trace.groups.get(int(trace.records.group_id[root.first_wait.row])) if root.first_wait else None
-            subject = rank_subject(trace, root.ranks[0], group)
-            ident = f"{kind.value}:rank-{root.ranks[0]}"
+            subject = rank_subject(trace, root.ranks[0], group) if len(root.ranks) == 1 else \
+                Subject(ranks=root.ranks, hosts=tuple(hosts), group=group.to_dict() if group else None)
+            ident = f"{kind.value}:rank-{root.ranks[0]}" if len(root.ranks) == 1 else \
+                f"{kind.value}:ranks-{'-'.join(map(str, root.ranks[:8]))}"
         elif root.kind == "instance" and root.detail is not None:
             g = root.detail.group
             subject = Subject(ranks=tuple(root.detail.members), hosts=tuple(hosts), group=g.to_dict() if g else None)
@@ -306,6 +322,19 @@ def mismatch_findings(trace: TraceSet, m: MatchResult) -> list[Finding]:
     for mm in m.mismatches:
         by_key.setdefault((mm.gid, mm.field, mm.p2p), []).append(mm)
     out = []
+    assigned = {k: v for k, v in by_key.items() if (g := trace.groups.get(k[0])) is not None and g.assigned}
+    for key in assigned:
+        by_key.pop(key)
+    if assigned:
+        items = [mm for v in assigned.values() for mm in v]
+        out.append(Finding(
+            id="trace-problem:inferred-communicator-disagrees", severity=Severity.WARNING, kind=Kind.TRACE_PROBLEM,
+            subject=Subject(ranks=tuple(sorted({r for mm in items for rs in mm.values.values() for r in rs}))),
+            verdict=f"calls that inference put in one communicator disagree ({len(items)} of them, first: "
+                    f"{items[0].describe()}): the input names no communicator (no groupHash), so they may be calls "
+                    f"of different ones; no mismatch is claimed",
+            evidence=[mm.describe() for mm in items[:MAX_EVIDENCE]], confidence=1.0,
+            impact=len({k[0] for k in assigned})))
     for (gid, field_name, p2p), items in sorted(by_key.items()):
         g = trace.groups.get(gid)
         first = items[0]

@@ -14,7 +14,12 @@ links each blocked rank to what it waits for:
 The sink components of that graph, reached from blocked ranks, are the root
 causes: stopped ranks (compute hang, crash, early exit, no trace), stuck
 instances or links (communication hang, collective mismatch) and cycles
-(deadlock). :mod:`megatrace.analyze.explain` turns them into findings.
+(deadlock). Two refinements: a stuck instance or link that every member
+entered is folded into a confirmed stopped rank that one of its members waits
+for elsewhere (a device runs a rank's calls in order across its groups, a
+dependency the trace does not show: :func:`_fold_consequences`); stopped ranks
+that one collective waits for together are one root (:func:`_merge_co_missing`).
+:mod:`megatrace.analyze.explain` turns them into findings.
 
 Liveness (:mod:`megatrace.analyze.liveness`: heartbeats, this host's process table) decides
 three things the records alone cannot: when the trace ends (the last moment the job was seen,
@@ -53,6 +58,8 @@ GAP_WINDOW = 1000  # recent records of a rank used for its usual gap between cal
 TAIL = 64  # last records per rank read for what it waits in (and its last activity): a rank waits in one place;
 #            a longer run of calls that never completed adds its oldest call in front (see _tails)
 MAX_PHANTOM_INSTANCES = 5000  # instances checked for completions that cannot be real
+MAX_UNTRACED = 64  # members without a trace that one collective waits for, named one by one (the first ones): a
+#                    group of a million ranks of which one file is present must not make a graph of a million nodes
 PHANTOM_OPS = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.BARRIER)
 NONE = np.iinfo(np.int64).min
 
@@ -327,10 +334,11 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
         i, p = int(ix.inst[row]), int(ix.pair[row])
         if i >= 0:
             target = ("inst", i)
-            for member in details[i].never_entered:
-                graph.add_edge(target, member)
-            for member in culprits.intersection(details[i].stuck):  # entered, then stopped running inside it
-                graph.add_edge(target, member)
+            if target not in graph:
+                for member in _named_absentees(trace, details[i].never_entered):
+                    graph.add_edge(target, member)
+                for member in culprits.intersection(details[i].stuck):  # entered, then stopped running inside it
+                    graph.add_edge(target, member)
         elif p >= 0:
             is_send = rec.op[row] == Op.SEND
             other = int(ix.recv_row[p] if is_send else ix.send_row[p])
@@ -359,6 +367,7 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     if trace.facts.outcome in RUNNING_OUTCOMES or live.ended_together:  # what was in flight at the end is no hang
         roots = [root for root in roots if root.confirmed]
         progressing = progressing if roots else []
+    roots = _merge_co_missing(graph, _fold_consequences(roots, m))
     stall = None if roots else _stall(trace, status, last_activity, end, te, tc, live)
     return HangAnalysis(end, False, status, last_activity, last_row, waits, graph, roots, details, progressing,
                         t_enqueue=te, liveness=live, stall=stall)
@@ -469,7 +478,9 @@ def _single_root(trace: TraceSet, m: MatchResult, node: Hashable, waiters: tuple
         d = details[i]
         stop = int(m.collectives.last_enter[i])
         gap = _usual_duration(trace, m, te, tc, int(m.index.inst_gidx[i]))
-        mismatched = bool(m.collectives.mismatch[i])  # can never complete: no doubt it is stuck
+        group = trace.groups.get(int(m.index.group_ids[m.index.inst_gidx[i]]))
+        # can never complete: no doubt it is stuck (unless its calls were only assigned to one group by inference)
+        mismatched = bool(m.collectives.mismatch[i]) and not (group is not None and group.assigned)
         return RootCause(node, "instance", tuple(d.entered), waiters, first_wait, stop, end - stop, gap,
                          mismatched, detail=d)
     _, src, dst = node
@@ -479,17 +490,37 @@ def _single_root(trace: TraceSet, m: MatchResult, node: Hashable, waiters: tuple
                      gap, False)
 
 
+def _named_absentees(trace: TraceSet, never_entered: tuple[int, ...]) -> list[int]:
+    """The members a collective waits for that get a node: every one with a trace, and the first
+    :data:`MAX_UNTRACED` of those without (the trace-problem finding counts the missing ranks)."""
+    traced = [r for r in never_entered if trace.has(r)]
+    if len(never_entered) - len(traced) <= MAX_UNTRACED:
+        return list(never_entered)
+    return sorted(traced + [r for r in never_entered if not trace.has(r)][:MAX_UNTRACED])
+
+
 def _chain(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> tuple[list[str], Wait | None]:
-    """The longest wait chain ending at the root, as words, one step per element."""
+    """The longest wait chain ending at the root, as words, one step per element (one breadth-first search back
+    from the root: the path to the farthest waiting rank follows the search's own steps)."""
     rev = graph.reverse(copy=False)
     best: tuple[int, int] | None = None
     best_path: list[Hashable] = []
-    for start in nodes:
-        dist = nx.single_source_shortest_path_length(rev, start)
-        for n, d in dist.items():
-            if isinstance(n, int) and n not in nodes and (best is None or (d, -n) > best):
-                best = (d, -n)
-                best_path = nx.shortest_path(graph, n, start)
+    for start in sorted(nodes, key=str):
+        parent: dict[Hashable, Hashable] = {start: start}
+        dist = {start: 0}
+        queue = [start]
+        for n in queue:  # (grows while it is read: a breadth-first search)
+            for p in rev.successors(n):
+                if p not in dist:
+                    dist[p], parent[p] = dist[n] + 1, n
+                    queue.append(p)
+        far = [(d, -n) for n, d in dist.items() if isinstance(n, int) and n not in nodes]
+        if far and (best is None or max(far) > best):
+            best = max(far)
+            path = [-best[1]]
+            while path[-1] != start:
+                path.append(parent[path[-1]])
+            best_path = path
     steps: list[str] = []
     wait: Wait | None = None
     for k, a in enumerate(best_path[:-1]):
@@ -504,3 +535,78 @@ def _chain(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> tuple[list[st
             text += " (the call failed)"
         steps.append(text)
     return steps, wait
+
+
+def _fold_consequences(roots: list[RootCause], m: MatchResult) -> list[RootCause]:
+    """Fold each stuck instance or link that every participant entered and none completed (not a mismatch)
+    into the confirmed stopped-rank roots that one of its participants also waits for: its members wait for
+    that rank in other calls, and a rank's device runs its calls in order across groups (NCCL: one stream per
+    communicator, fed by compute that needs the stopped rank's data), so such a call is held up by the stop,
+    not by the network. Its participants and waiters join the rank root's waiters. Without a confirmed
+    stopped rank that its participants wait for, it stays a root."""
+    stopped = [r for r in roots if r.kind == "rank" and r.confirmed]
+    if not stopped:
+        return roots
+    kept = []
+    for root in roots:
+        own = root.kind == "link" or (root.kind == "instance" and root.detail is not None
+                                      and not root.detail.completed and not _mismatch(m, root))
+        members = set(root.detail.members if root.detail is not None else root.ranks)
+        hosts = [r for r in stopped if members & set(r.waiters)] if own else []
+        if not hosts:
+            kept.append(root)
+        for r in hosts:
+            r.waiters = tuple(sorted((set(r.waiters) | members | set(root.waiters)) - set(r.ranks)))
+    return kept
+
+
+def _mismatch(m: MatchResult, root: RootCause) -> bool:
+    """The root is a stuck instance whose members disagree, in a group whose calls are known to be its own."""
+    g = root.detail.group if root.detail is not None else None
+    return bool(m.collectives.mismatch[root.node[1]]) and not (g is not None and g.assigned)
+
+
+def _merge_co_missing(graph: nx.DiGraph, roots: list[RootCause]) -> list[RootCause]:
+    """One root for the stopped ranks that one collective waits for together (its members that never entered
+    it, when each is a root of the same standing): torchfrtrace's "missing ranks" of that collective. Other
+    stopped ranks stay roots of their own."""
+    rank_roots = {r.node: r for r in roots if r.kind == "rank" and isinstance(r.node, int)}
+    if len(rank_roots) < 2:
+        return roots
+    parent = {n: n for n in rank_roots}
+
+    def find(n: int) -> int:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in graph.nodes:
+        if isinstance(node, tuple) and node[0] == "inst":
+            together = [m for m in graph.successors(node) if m in rank_roots]
+            for m in together[1:]:
+                a, b = find(together[0]), find(m)
+                if a != b and rank_roots[a].confirmed == rank_roots[b].confirmed:
+                    parent[b] = a
+    merged: dict[int, list[RootCause]] = {}
+    for n in rank_roots:
+        merged.setdefault(find(n), []).append(rank_roots[n])
+    out = []
+    for root in roots:
+        if root.kind != "rank" or not isinstance(root.node, int) or root.node not in parent:
+            out.append(root)
+        elif find(root.node) == root.node:
+            out.append(_merged(merged[root.node]) if len(merged[root.node]) > 1 else root)
+    return out
+
+
+def _merged(parts: list[RootCause]) -> RootCause:
+    ranks = tuple(sorted(r for p in parts for r in p.ranks))
+    waits = [p for p in parts if p.first_wait is not None]
+    lead = min(waits, key=lambda p: p.first_wait.since_ns) if waits else parts[0]
+    stops = [p.stop_ns for p in parts]
+    silences = [p.silence_ns for p in parts if p.silence_ns is not None]
+    gaps = [p.usual_gap_ns for p in parts if p.usual_gap_ns is not None]
+    return RootCause(lead.node, "rank", ranks, tuple(sorted(set().union(*(p.waiters for p in parts)) - set(ranks))),
+                     lead.first_wait, None if None in stops else min(stops), max(silences) if silences else None,
+                     max(gaps) if gaps else None, all(p.confirmed for p in parts), lead.chain, lead.chain_wait)

@@ -53,30 +53,52 @@ def report_data(trace: TraceSet, clock: Any, results: dict[str, Any]) -> dict[st
 
 
 def _ranks(trace: TraceSet, hang: Any) -> dict[str, Any]:
-    hosts: list[str] = []
-    host_ix: dict[str, int] = {}
-    host_col, gpu_col, status_col = [], [], []
-    names: list[str] = []
-    name_ix: dict[str, int] = {}
+    """Per rank of the world: host, GPU and status, as indices into the ``hosts`` and ``statuses`` lists (each in
+    order of first appearance by rank). Built from the ranks something is known of (loaded, in the layout, given a
+    status): a world named by one file of a million-rank job costs array fills, not a loop over every rank."""
+    world = trace.world_size
     status = hang.status if hang is not None else {}
-    missing = set(trace.missing_ranks)  # a tuple: `in` on it per rank was quadratic in the world size
-    for r in range(trace.world_size):
-        h = trace.host_of(r)
-        if h is None:
-            host_col.append(-1)
-        else:
-            host_col.append(host_ix.setdefault(h, len(hosts)))
-            if host_ix[h] == len(hosts):
-                hosts.append(h)
+    known = sorted({int(r) for r in trace.ranks} | set(trace.layout.ranks if trace.layout is not None else ())
+                   | {r for r, st in status.items() if st.value != "missing"})
+    known = [r for r in known if 0 <= r < world]
+    host_of = {r: trace.host_of(r) for r in known}
+    gpu_col = np.full(world, -1, np.int64)
+    for r in known:
         g = trace.gpu_of(r)
-        gpu_col.append(-1 if g is None else int(g))
-        s = status.get(r)
-        s = "missing" if r in missing else (s.value if s is not None else "unknown")
-        if s not in name_ix:
-            name_ix[s] = len(names)
-            names.append(s)
-        status_col.append(name_ix[s])
-    return {"hosts": hosts, "host": host_col, "gpu": gpu_col, "statuses": names, "status": status_col}
+        gpu_col[r] = -1 if g is None else int(g)
+    names_of = np.array(["unknown"], object).repeat(world) if world else np.empty(0, object)
+    for r in known:
+        st = status.get(r)
+        names_of[r] = st.value if st is not None else "unknown"
+    missing = np.fromiter((r for r in trace.missing_ranks if 0 <= r < world), np.int64)
+    names_of[missing] = "missing"
+    missing_status = [r for r, st in status.items() if st.value == "missing" and 0 <= r < world]
+    names_of[np.asarray(missing_status, np.int64)] = "missing"
+    return {**_first_seen("hosts", "host", {r: h for r, h in host_of.items() if h is not None}, world),
+            "gpu": gpu_col.tolist(), **_indexed("statuses", "status", names_of)}
+
+
+def _first_seen(names_key: str, col_key: str, values: dict[int, str], world: int) -> dict[str, Any]:
+    """``values`` (rank -> name, for some ranks) as a column of indices into a list of names (-1: none)."""
+    col = np.full(world, -1, np.int64)
+    names: list[str] = []
+    index: dict[str, int] = {}
+    for r in sorted(values):
+        col[r] = index.setdefault(values[r], len(names))
+        if col[r] == len(names):
+            names.append(values[r])
+    return {names_key: names, col_key: col.tolist()}
+
+
+def _indexed(names_key: str, col_key: str, names_of: np.ndarray) -> dict[str, Any]:
+    """A column of names (one per rank) as indices into the list of distinct names, in order of first rank."""
+    if not len(names_of):
+        return {names_key: [], col_key: []}
+    uniq, first, inverse = np.unique(names_of.astype(str), return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank_of = np.empty(len(order), np.int64)
+    rank_of[order] = np.arange(len(order))
+    return {names_key: [str(u) for u in uniq[order]], col_key: rank_of[inverse.reshape(-1)].tolist()}
 
 
 def _node_id(node: Hashable) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from megatrace.analyze.findings import Finding, Severity
+from megatrace.analyze.findings import Finding, Kind, Severity
 from megatrace.analyze.index import RecordIndex
 from megatrace.analyze.iterations import Iterations, compute_gaps, iterations_of, perf_kind
 from megatrace.analyze.links import PairStats, analyze_links, delay_matrix, link_finding, slow_rank_finding
@@ -545,5 +545,16 @@ def straggler_stage(ctx) -> list[Finding]:  # ctx: megatrace.analyze.engine.Anal
                              ctx.clock.t_complete)
     _impact(ctx, res)
     ctx.results["stragglers"] = res
-    return straggler_findings(ctx.trace, res)
+    found = straggler_findings(ctx.trace, res)
+    hang = ctx.results.get("hang")
+    if ctx.trace.completion_times != "observed" and not (hang is not None and hang.roots):  # enqueue times only:
+        # who came last, step by step (not in a job that hung: its last lags are the hang's)
+        from megatrace.analyze.arrival_lag import arrival_lag_findings, arrival_lag_stragglers
+
+        lags = arrival_lag_stragglers(ctx.trace, ctx.match.index, it, ctx.clock.t_enqueue)
+        known = {f.subject.rank: f for f in found if f.kind == Kind.STRAGGLER and f.subject.rank is not None}
+        more = arrival_lag_findings(ctx.trace, lags, known)
+        found = [f for f in found if not (f.kind == Kind.STRAGGLER and f.subject.rank in {g.subject.rank
+                                                                                          for g in more})] + more
+    return found
 

@@ -74,6 +74,8 @@ class GroupInfo:
     ranks: tuple[int, ...]
     backend: str = ""
     inferred: bool = False  # members guessed from who used the group (no meta line seen)
+    assigned: bool = False  # its calls were assigned to it by inference (no communicator id in the input): calls
+    #                         of other communicators may be among them, so a disagreement is no proven mismatch
 
     @property
     def named(self) -> bool:
@@ -99,7 +101,7 @@ class GroupInfo:
 
     def to_dict(self) -> dict:
         return {"gid": self.gid, "name": self.name, "desc": self.desc, "ranks": list(self.ranks),
-                "inferred": self.inferred}
+                "inferred": self.inferred, "assigned": self.assigned}
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class NodeFacts:
     outcome: str | None = None  # the launcher's own summary, e.g. "stalled"
     message: str | None = None
     probe: ProcessProbe | None = None  # this host's process table, for rings still open (analyze/liveness.py)
+    notes: dict[int, str] = field(default_factory=dict)  # rank -> what an importer's input says of its stop
 
 
 @dataclass
@@ -187,6 +190,8 @@ class TraceSet:
     tail: int | None = None  # None: every record; K: only each rank's newest K records were loaded
     #                          (more for ranks whose tail had to be extended); see ``RankInfo.unread``
     meta: dict[int, list[dict]] | None = None  # each loaded rank's meta entries, as read (None: not kept)
+    imported: str = ""  # the foreign format it was imported from ("flight-recorder", ...); "" for ring files
+    world_source: str = "ring headers (torch.distributed world size)"  # where world_size came from
     completion_times: str = "observed"  # "arrivals": an imported format whose calls complete, as far as it
     #   knows, at their instance's last arrival (stragglers are judged call by call, no critical path);
     #   "inferred": coarser estimates, no timing stage runs on it (docs/importers.md)

@@ -77,7 +77,10 @@ def build_job_config(trace: Any, explicit: tuple[Layout, str, bool] | None = Non
     read_trainer(job, argv, files)
     hosts = {i.rank: i.host for i in trace.rank_info if i.host}
     local = {i.rank: i.local_rank for i in trace.rank_info}
-    read_runtime(job, trace.world_size, hosts, local, process, env)
+    imported = getattr(trace, "imported", "")
+    read_runtime(job, trace.world_size, hosts, local, process, env,
+                 getattr(trace, "world_source", "ring headers (torch.distributed world size)"),
+                 f"{imported} input" if imported else "ring headers")
     uses = group_uses(trace)
     inference = infer_from_groups(uses, trace.world_size)
     job.inference = inference.to_dict()

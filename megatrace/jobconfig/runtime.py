@@ -52,9 +52,13 @@ def gpu_of(local_rank: int | None, visible: str | None) -> tuple[str | None, str
 
 
 def read_runtime(job: JobConfig, world: int, hosts: Mapping[int, str], local_ranks: Mapping[int, int],
-                 process: Mapping[int, Mapping[str, Any]], env: Mapping[int, Mapping[str, str]]) -> None:
-    """Offer world size, node and task counts and the placement; record NCCL settings and versions."""
-    job.offer("world_size", world, "environment", "ring headers (torch.distributed world size)")
+                 process: Mapping[int, Mapping[str, Any]], env: Mapping[int, Mapping[str, str]],
+                 world_source: str = "ring headers (torch.distributed world size)",
+                 origin: str = "ring headers") -> None:
+    """Offer world size, node and task counts and the placement; record NCCL settings and versions.
+    ``world_source``: where the world size came from; ``origin``: where the hosts came from (an imported trace
+    has no ring headers)."""
+    job.offer("world_size", world, "environment", world_source)
     if env:
         common = dict(env[min(env)])  # launcher variables are the same on every rank but the rank ones
         for name, field in (("WORLD_SIZE", "world_size"), ("SLURM_NTASKS", "world_size"),
@@ -79,10 +83,10 @@ def read_runtime(job: JobConfig, world: int, hosts: Mapping[int, str], local_ran
                     or "GROUP_RANK" in common else "environment" if "RANK" in common else None)
         job.offer("launcher", launcher, "environment", "environment (SLURM_PROCID / TORCHELASTIC_RUN_ID / RANK)")
     if hosts:
-        job.offer("nodes", len(set(hosts.values())), "environment", "ring headers (distinct hosts)")
+        job.offer("nodes", len(set(hosts.values())), "environment", f"{origin} (distinct hosts)")
         per_host = Counter(hosts.values())
         if len(set(per_host.values())) == 1:
-            job.offer("tasks_per_node", next(iter(per_host.values())), "environment", "ring headers (ranks per host)")
+            job.offer("tasks_per_node", next(iter(per_host.values())), "environment", f"{origin} (ranks per host)")
     for rank in sorted(set(hosts) | set(local_ranks) | set(env)):
         e = env.get(rank, {})
         local = local_ranks.get(rank)

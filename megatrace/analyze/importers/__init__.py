@@ -26,7 +26,7 @@ def not_a_trace(directory: Path) -> str:
     return (f"{directory}: not a trace directory{' (it is empty)' if empty else ''}: found none of MegaTrace ring "
             f"files (rank-NNNNN.ring, in it or its rings/ subdirectory), PyTorch Flight Recorder dumps (pickle or "
             f"JSON files named with the rank at the end, e.g. nccl_trace_rank_0), Megatrace NCCL-patch logs "
-            f"(rank_<R>.log of '[save_count N] ...' lines) or NCCL Inspector JSON lines (objects with header and "
+            f"(rank_<R>.log of '[save_count N] ...' or '[SEC.NSEC] [Rank R] Fun ...' lines) or NCCL Inspector JSON lines (objects with header and "
             f"coll_perf), in it or its subdirectories one level down; --format FORMAT reads it as one format and says "
             f"what its files lack (FORMAT: {', '.join(f for f in FORMATS if f != 'auto')})")
 

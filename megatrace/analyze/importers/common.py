@@ -220,7 +220,8 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
     observed); ``completions`` then says how: "arrivals" (each call completes at its instance's last arrival:
     the straggler analysis still runs, call by call, and the critical path does not) or "inferred" (coarser:
     neither runs).
-    World size: given, else from the layout, else the highest rank + 1.
+    World size: the largest of the given one, the layout's, and the highest rank a file or a group line names + 1
+    (never one group's size: a group may leave out the highest ranks).
     """
     if not ranks:
         raise TraceLoadError(f"{directory}: no {source} records found")
@@ -230,9 +231,12 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
         if r.rank in seen:
             raise ImportFormatError(f"{r.path}: rank {r.rank} also comes from {seen[r.rank].path}; one file per rank")
         seen[r.rank] = r
-    world = world_size
-    if world is None:
-        world = ranks[-1].rank + 1
+    lines = {g["gid"]: g for r in ranks for g in r.groups}  # (one line per group: members are read once)
+    named = max((max(g.get("ranks") or (-1,)) for g in lines.values()), default=-1)
+    world = max(world_size or 0, ranks[-1].rank + 1, named + 1)  # every rank a file or a group names
+    world_source = (f"{source}: the highest rank its files and groups name" if world > (world_size or 0) else
+                    f"{source}: the layout it was read with")
+    if world_size is None:
         known = layout
         if known is None and (directory / "layout.yaml").exists():
             try:
@@ -240,7 +244,7 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
             except LayoutError:
                 known = None  # reported by _layout below
         if known is not None and known.world_size > world:
-            world = known.world_size
+            world, world_source = known.world_size, f"{source}: the layout's world size"
     columns = _Columns(sum(len(r) for r in ranks))
     infos: list[RankInfo] = []
     metas: dict[int, list[dict]] = {}
@@ -288,7 +292,8 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
     return TraceSet(path=directory, job_id=source, world_size=world, ranks=np.array(present, dtype=np.int64),
                     rank_info=infos, starts=starts, records=columns.finish(), groups=groups, layout=fitted,
                     facts=_node_facts(directory, problems), problems=problems, missing_ranks=missing, tail=None,
-                    meta=metas, completion_times=completions if inferred else "observed")
+                    meta=metas, imported=source, world_source=world_source,
+                    completion_times=completions if inferred else "observed")
 
 
 def _layout_groups(groups: dict[int, GroupInfo], layout: Layout | None) -> None:

@@ -15,6 +15,7 @@ FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector")
 NCCL_LOG_RE = re.compile(r"^rank_(\d+)\.log$")
 NCCL_LOG_LIKE = re.compile(r"^rank_.*\.log$")  # named like a rank's NCCL log (maybe without a usable rank)
 NCCL_LINE = b"[save_count "
+OLD_NCCL_LINE = re.compile(rb"(?:^|\n)\[\d+\.\d+\] \[Rank \d+\] Fun \w+ Data \d+ stream ")  # the older format
 SNIFF_BYTES = 4096
 
 
@@ -24,6 +25,14 @@ def _head(path: Path) -> bytes:
             return fh.read(SNIFF_BYTES)
     except OSError:
         return b""
+
+
+def looks_like_nccl_log(path: Path) -> bool:
+    """A ``rank_<R>.log`` whose first bytes hold a line of either Megatrace NCCL-patch format."""
+    if not NCCL_LOG_RE.match(path.name):
+        return False
+    head = _head(path)
+    return NCCL_LINE in head or OLD_NCCL_LINE.search(head) is not None
 
 
 def _places(directory: Path) -> list[Path]:
@@ -56,7 +65,7 @@ def detect_format(directory: Path) -> str | None:
         return "rings"
     found = []
     places = _places(directory)
-    if any(any(NCCL_LOG_RE.match(p.name) and NCCL_LINE in _head(p) for p in _files(w)) for w in places):
+    if any(any(looks_like_nccl_log(p) for p in _files(w)) for w in places):
         found.append("nccl-log")
     if find_dumps(directory):
         found.append("flight-recorder")
@@ -79,7 +88,7 @@ def nccl_log_place(directory: Path) -> Path | None:
     """Where the NCCL-patch logs are: the directory, or the first subdirectory, holding a ``rank_<R>.log`` that
     starts like one (what :func:`nccl_log.load_nccl_logs` reads)."""
     for where in _places(directory):
-        if any(NCCL_LOG_RE.match(p.name) and NCCL_LINE in _head(p) for p in _files(where)):
+        if any(looks_like_nccl_log(p) for p in _files(where)):
             return where
     return None
 
@@ -93,7 +102,7 @@ def check_nccl_log_files(directory: Path) -> list[LoadProblem]:
     file without any call (empty: the rank is analysed as missing).
     """
     from megatrace.analyze.importers.common import MAX_RANKS, ImportFormatError
-    from megatrace.analyze.importers.nccl_log import parse_log
+    from megatrace.analyze.importers.nccl_log_lines import parse_log
 
     where = nccl_log_place(directory)
     notes: list[LoadProblem] = []
@@ -107,7 +116,7 @@ def check_nccl_log_files(directory: Path) -> list[LoadProblem]:
                                     f"{where})")
         if int(named.group(1)) >= MAX_RANKS:
             raise ImportFormatError(f"{path}: rank {named.group(1)} in the name: expected a rank below {MAX_RANKS}")
-        if NCCL_LINE in _head(path):
+        if looks_like_nccl_log(path):
             continue  # read (and checked line by line) by the loader
         _, calls = parse_log(path, [])  # not a log from its first bytes: says which line is wrong
         if calls:

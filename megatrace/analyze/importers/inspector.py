@@ -65,8 +65,10 @@ def iter_objects(path: Path):
                                 f"{column}; damaged NCCL Inspector output?)") from None
     decoder = json.JSONDecoder()
     at = _WS.match(text, 0).end()
+    line, counted = 1, 0  # the line of ``at``, newlines counted up to ``counted`` (each byte once: linear)
     while at < len(text):
-        line = text.count("\n", 0, at) + 1
+        line += text.count("\n", counted, at)
+        counted = at
         try:
             obj, end = decoder.raw_decode(text, at)
         except ValueError as exc:

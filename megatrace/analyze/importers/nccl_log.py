@@ -37,149 +37,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from megatrace.analyze.importers.common import (INT64_MAX, MAX_RANKS, Fields, ImportedRank, ImportFormatError,
+from megatrace.analyze.importers.common import (ImportedRank, ImportFormatError,
                                                 build_traceset, dense_group_seq, group_id, new_columns)
-from megatrace.analyze.importers.detect import NCCL_LOG_RE
+from megatrace.analyze.importers.nccl_log_lines import FUNCS, OP_SLOTS, parse_log
 from megatrace.analyze.importers.nccl_log_peers import layout_kind, p2p_partners
+from megatrace.analyze.importers.nccl_log_streams import assign_streams, read_layout
 from megatrace.analyze.traceset import LoadProblem, TraceSet, plural, rank_list
 from megatrace.config import GROUP_KINDS, Layout, LayoutError
 from megatrace.trace.ring_format import Flag, Op, State
 
 NAME = "nccl-log"
-LINE_RE = re.compile(r"^\[save_count (\d+)\] \[(\d+)\.(\d{1,9})\] \[Rank (\d+)\] Fun (\w+) Data (\d+) "
-                     r"stream (0x[0-9a-fA-F]+|\(nil\)|0) opCount (\d+)(?: groupHash (-?\d+))?\s*$")
-FUNCS: dict[str, Op] = {"AllReduce": Op.ALL_REDUCE, "AllGather": Op.ALL_GATHER, "ReduceScatter": Op.REDUCE_SCATTER,
-                        "Broadcast": Op.BROADCAST, "Reduce": Op.REDUCE, "Send": Op.SEND, "Recv": Op.RECV,
-                        "AllToAll": Op.ALL_TO_ALL}
-OP_SLOTS = 1 << 16  # calls per opCount kept apart in the sequence key (an NCCL group of more calls is unheard of)
-
-
-def parse_log(path: Path, problems: list[LoadProblem],
-              dumps: dict[int, list[int]] | None = None) -> tuple[int, list[tuple]]:
-    """(rank, unique calls in time order) of one ``rank_<R>.log``; errors name the file and line. ``dumps``, when
-    given, receives save_count -> [first, last] line time of each dump (the window it covers)."""
-    m = NCCL_LOG_RE.match(path.name)
-    rank = int(m.group(1)) if m else None
-    seen: dict[tuple, int] = {}
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ImportFormatError(f"{path}: unreadable: {exc.strerror}") from None
-    text = data.decode("utf-8", errors="replace")
-    lines = text.split("\n")
-    last = len(lines) - 1 if lines and lines[-1] == "" else len(lines)
-    hashes: set[bool] = set()
-    for no, line in enumerate(lines[:last], start=1):
-        if not line.strip():
-            continue
-        got = LINE_RE.match(line)
-        if got is None:
-            if no == last and not data.endswith(b"\n"):
-                problems.append(LoadProblem("warning", "nccl-log-torn", f"{path}, line {no}: last line cut off "
-                                            f"(the patch was writing it); skipped", paths=(str(path),)))
-                continue
-            raise ImportFormatError(f"{path}, line {no}: not a Megatrace NCCL log line: {line[:120]!r} (expected "
-                                    f"'[save_count N] [SEC.NSEC] [Rank R] Fun NAME Data N stream 0x.. opCount N "
-                                    f"[groupHash N]')")
-        save, sec, frac, line_rank, func, count, stream, op_count, ghash = got.groups()
-        at = Fields(f"{path}, line {no}")  # each number, checked for the int64 column it goes into
-        save = at.decimal("save_count", save, what="a dump number from 0 to 2**63-1")
-        line_rank = at.decimal("Rank", line_rank, hi=MAX_RANKS - 1, what=f"a rank below {MAX_RANKS}")
-        sec = at.decimal("time", sec, hi=INT64_MAX // 1_000_000_000 - 1, what="seconds since 1970, before 2262")
-        count = at.decimal("Data", count, what="an element count from 0 to 2**63-1")
-        op_count = at.decimal("opCount", op_count, hi=INT64_MAX // OP_SLOTS - 1, what="a launch count below 2**47")
-        ghash = None if ghash is None else at.decimal("groupHash", ghash, -(1 << 63), (1 << 64) - 1)
-        if rank is not None and line_rank != rank:
-            raise ImportFormatError(f"{path}, line {no}: [Rank {line_rank}] in the file of rank {rank} (files of "
-                                    f"different ranks mixed up?)")
-        rank = line_rank if rank is None else rank
-        if func not in FUNCS:
-            raise ImportFormatError(f"{path}, line {no}: unknown function {func!r} (known: {', '.join(FUNCS)})")
-        hashes.add(ghash is not None)
-        t = sec * 1_000_000_000 + int(frac.ljust(9, "0"))
-        key = (t, func, count, stream, op_count, ghash)
-        seen.setdefault(key, no)  # the same call in several (overlapping) dumps
-        if dumps is not None:
-            span = dumps.setdefault(save, [t, t])
-            span[0], span[1] = min(span[0], t), max(span[1], t)
-    if len(hashes) > 1:
-        raise ImportFormatError(f"{path}: some lines carry a groupHash and some do not (logs of two builds mixed)")
-    if rank is None:
-        raise ImportFormatError(f"{path}: no calls in it, and no rank in its name (expected rank_<R>.log)")
-    calls = sorted(seen, key=lambda k: (k[0], seen[k]))
-    return rank, calls
-
-
-def read_config(directory: Path, world: int) -> Layout | None:
-    """The layout from ``config.yaml`` (``TP``, ``PP``, ``world_size``) next to the logs, if any."""
-    import yaml
-
-    for where in (directory, directory.parent):
-        path = where / "config.yaml"
-        if not path.is_file():
-            continue
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-            tp, pp = int(data.get("TP", 1)), int(data.get("PP", 1))
-            size = int(data.get("world_size", world))
-            if size % (tp * pp):
-                raise ImportFormatError(f"{path}: world_size {size} is not a multiple of TP*PP = {tp * pp}")
-            return Layout(world_size=size, tp=tp, pp=pp, dp=size // (tp * pp)).validate(str(path))
-        except (ValueError, TypeError, AttributeError, yaml.YAMLError, LayoutError) as exc:
-            raise ImportFormatError(f"{path}: not a layout (TP, PP, world_size): {exc}") from None
-    return None
-
-
-def _channels(rank_calls: dict[int, list[tuple]], layout: Layout | None,
-              problems: list[LoadProblem]) -> dict[tuple[int, str], tuple[str, tuple[int, ...]]]:
-    """(rank, stream) -> (communicator key, members) for logs without groupHash."""
-    out: dict[tuple[int, str], tuple[str, tuple[int, ...]]] = {}
-    world = max(rank_calls) + 1
-    notes = []
-    coll_kinds = [k for k in ("tp", "dp") if layout is not None and getattr(layout, k) > 1]
-    for rank, calls in rank_calls.items():
-        streams: dict[str, list[tuple]] = {}
-        for c in calls:
-            streams.setdefault(c[3], []).append(c)
-        coll_streams = []
-        for stream, cs in streams.items():
-            if len(cs) > 1 and all(c[4] == 0 for c in cs):
-                out[(rank, stream)] = (f"solo:{rank}:{stream}", (rank,))  # one-rank communicator
-            elif any(c[1] in ("Send", "Recv") for c in cs):
-                members = tuple(layout.group_of("pp", rank)) if layout is not None else tuple(range(world))
-                out[(rank, stream)] = ("pp:" + ",".join(map(str, members)), members)
-            else:
-                coll_streams.append((len(cs), stream))
-        coll_streams.sort(reverse=True)  # the busiest first: TP, then DP (Megatron)
-        for k, (_, stream) in enumerate(coll_streams):
-            if k < len(coll_kinds):
-                members = tuple(layout.group_of(coll_kinds[k], rank))
-                out[(rank, stream)] = (f"{coll_kinds[k]}:" + ",".join(map(str, members)), members)
-            else:
-                out[(rank, stream)] = ("world", tuple(range(layout.world_size if layout else world)))
-        if len(coll_streams) > max(len(coll_kinds), 1):
-            notes.append(rank)
-    if notes:
-        problems.append(LoadProblem("warning", "nccl-log-streams", f"{plural(len(notes), 'rank')} use more collective "
-                                    f"streams than the layout has groups; the extra ones were taken as the world "
-                                    f"group: ranks {sorted(notes)[:12]}"))
-    return out
 
 
 def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
     """Every ``rank_<R>.log`` in ``directory`` (or one level below) as a :class:`TraceSet`."""
-    from megatrace.analyze.importers.detect import NCCL_LINE, _head, _places
+    from megatrace.analyze.importers.detect import _places, looks_like_nccl_log
 
     files: list[Path] = []
     for where in _places(directory):
-        files = sorted(p for p in where.iterdir() if p.is_file() and NCCL_LOG_RE.match(p.name)
-                       and NCCL_LINE in _head(p))
+        files = sorted(p for p in where.iterdir() if p.is_file() and looks_like_nccl_log(p))
         if files:
             break
     if not files:
@@ -197,7 +78,7 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
         rank_calls[rank], paths[rank] = calls, str(path)
     _note_dump_gaps(dumps, problems)
     world = max(rank_calls) + 1
-    config = layout or read_config(files[0].parent, world)
+    config = layout or read_layout(files[0].parent, world, problems)
     if config is None and (directory / "layout.yaml").exists():
         from megatrace.config import load_layout
         try:
@@ -235,52 +116,21 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
             for i, c in enumerate(calls):
                 comm_of[(rank, i)] = (f"hash:{c[5]}", members_of[c[5]])
     else:
-        chans = _channels(rank_calls, config, problems)
+        chans = assign_streams(rank_calls, config, problems)
         for rank, calls in rank_calls.items():
             for i, c in enumerate(calls):
                 comm_of[(rank, i)] = chans[(rank, c[3])]
         problems.append(LoadProblem(
             "info", "nccl-log-inferred", "the logs carry no groupHash: communicators were inferred from each rank's "
-            "streams and the layout" + ("" if config is not None else " (no config.yaml/layout: collectives are "
-                                                                    "taken as world-wide)")))
+            "streams, the calls on them and the layout" + ("" if config is not None else " (no layout: only streams "
+                                                           "every rank has are taken as world-wide)")))
 
-    partners = p2p_partners(rank_calls, comm_of, config)  # send/recv of communicators of 3+ ranks
-    ranks: list[ImportedRank] = []
-    keys: dict[int, np.ndarray] = {}
-    chan_keys: dict[int, np.ndarray] = {}
-    lines: dict[int, dict] = {}
-    names: dict[int, tuple[str, str]] = {}
-    for rank in sorted(rank_calls):
-        calls = rank_calls[rank]
-        cols = new_columns(len(calls))
-        key = np.full(len(calls), -1, np.int64)
-        chan = np.zeros(len(calls), np.int64)
-        slot: Counter = Counter()
-        for i, c in enumerate(calls):
-            ckey, members = comm_of[(rank, i)]
-            gid = group_id("nccl", ckey)
-            op = FUNCS[c[1]]
-            cols["group_id"][i], cols["op"][i], cols["t_enqueue"][i], cols["nbytes"][i] = gid, op, c[0], c[2]
-            if gid not in lines:
-                desc = layout_kind(members, config)
-                lines[gid] = {"kind": "group", "gid": gid, "name": ckey, "desc": desc, "ranks": list(members),
-                              "backend": "nccl"}
-                names[gid] = (ckey, desc)
-            peer = -1
-            if op in (Op.SEND, Op.RECV):
-                others = [m for m in members if m != rank]
-                peer = others[0] if len(others) == 1 else partners.get((rank, i), (-1, 0))[0]
-                cols["peer"][i] = peer
-            src, dst = (rank, peer) if op == Op.SEND else (peer, rank) if op == Op.RECV else (0, 0)
-            n = slot[(gid, c[4], op if op in (Op.SEND, Op.RECV) else 0, peer)]
-            slot[(gid, c[4], op if op in (Op.SEND, Op.RECV) else 0, peer)] += 1
-            key[i] = partners[(rank, i)][1] if (rank, i) in partners else c[4] * OP_SLOTS + n
-            chan[i] = ((src + 1) << 21 | (dst + 1)) if op in (Op.SEND, Op.RECV) else 0
-        ranks.append(ImportedRank(rank, paths[rank], cols, groups=[]))
-        keys[rank], chan_keys[rank] = key, chan
-    dense_group_seq(ranks, keys, chan_keys)
-    for r in ranks:
-        r.groups = [lines[g] for g in np.unique(r.columns["group_id"]).tolist()]
+    # send/recv of communicators of 3+ ranks name no peer: inferred, knowing which logs ended early (from the
+    # collectives alone, whose places do not depend on the peers)
+    ranks, lines, _ = _columns(rank_calls, comm_of, {}, config, paths)
+    early = _ended_early(ranks, *_instances(ranks), dumps, None)
+    partners = p2p_partners(rank_calls, comm_of, config, early)
+    ranks, lines, names = _columns(rank_calls, comm_of, partners, config, paths)
     ended = _infer_states(ranks, {gid: tuple(e["ranks"]) for gid, e in lines.items()}, dumps, problems)
     n = sum(len(r) for r in ranks)
     problems.append(LoadProblem("info", "imported", f"imported {plural(n, 'call')} of {plural(len(ranks), 'rank')} "
@@ -289,17 +139,71 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
                            inferred="the logs hold enqueue times only: completions were inferred from arrivals",
                            completions="arrivals")
     trace.rank_info = [dataclasses.replace(i, ended_early=True) if i.rank in ended else i for i in trace.rank_info]
+    if not with_hash:  # communicators inferred from streams: calls of different ones may have been joined
+        trace.groups = {gid: dataclasses.replace(g, assigned=len(g.ranks) > 1) for gid, g in trace.groups.items()}
     return trace
 
 
-def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]],
-                  dumps: dict[int, dict[int, list[int]]] | None = None,
-                  problems: list[LoadProblem] | None = None) -> dict[int, int]:
-    """Completed (at the last arrival) or not, per call; see the module docstring. Sets state, t_complete, flags.
-    ``dumps``: rank -> save_count -> [first, last] line time. Returns the ranks whose log ended early -> their
-    last call (:func:`_ended_early`)."""
-    start = {r.rank: int(r.columns["t_enqueue"].min()) if len(r) else 0 for r in ranks}
-    # instance / pair key per row
+def _columns(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, int], tuple[str, tuple[int, ...]]],
+             partners: dict[tuple[int, int], tuple[int, int]], config: Layout | None, paths: dict[int, str]
+             ) -> tuple[list[ImportedRank], dict[int, dict], dict[int, tuple[str, str]]]:
+    """Every rank's calls as columns, places numbered densely per communicator (and send/recv channel); the
+    group lines and names of the communicators. ``partners``: the inferred peer and place of send/recv on
+    communicators of 3+ ranks (:func:`p2p_partners`; without them those calls name no peer)."""
+    ranks: list[ImportedRank] = []
+    keys: dict[int, np.ndarray] = {}
+    chan_keys: dict[int, np.ndarray] = {}
+    lines: dict[int, dict] = {}
+    names: dict[int, tuple[str, str]] = {}
+    gid_of: dict[str, int] = {}
+    sole: dict[tuple[str, int], int] = {}  # (communicator, rank) -> the one other member of a pair (-1: not a pair)
+    code = {name: int(op) for name, op in FUNCS.items()}
+    send, recv = int(Op.SEND), int(Op.RECV)
+    for rank in sorted(rank_calls):
+        calls = rank_calls[rank]
+        n_calls = len(calls)
+        gids, ops, peers, key, chan = [0] * n_calls, [0] * n_calls, [-1] * n_calls, [-1] * n_calls, [0] * n_calls
+        slot: Counter = Counter()
+        for i, c in enumerate(calls):
+            ckey, members = comm_of[(rank, i)]
+            gid = gid_of.get(ckey)
+            if gid is None:
+                gid = gid_of[ckey] = group_id("nccl", ckey)
+                desc = layout_kind(members, config)
+                lines[gid] = {"kind": "group", "gid": gid, "name": ckey, "desc": desc, "ranks": list(members),
+                              "backend": "nccl"}
+                names[gid] = (ckey, desc)
+            op = code[c[1]]
+            gids[i], ops[i] = gid, op
+            if op == send or op == recv:
+                other = sole.get((ckey, rank))
+                if other is None:
+                    other = sole[(ckey, rank)] = (members[1] if members[0] == rank else members[0]) \
+                        if len(members) == 2 and rank in members else -1
+                peer = other if other >= 0 else partners.get((rank, i), (-1, 0))[0]
+                peers[i] = peer
+                src, dst = (rank, peer) if op == send else (peer, rank)
+                chan[i] = (src + 1) << 21 | (dst + 1)
+                place = (gid, c[4], op, peer)
+            else:
+                place = (gid, c[4], 0, -1)
+            n = slot[place]
+            slot[place] = n + 1
+            key[i] = partners[(rank, i)][1] if (rank, i) in partners else c[4] * OP_SLOTS + n
+        cols = new_columns(n_calls)
+        cols["group_id"][:], cols["op"][:], cols["peer"][:] = gids, ops, peers
+        cols["t_enqueue"][:] = [c[0] for c in calls]
+        cols["nbytes"][:] = [c[2] for c in calls]
+        ranks.append(ImportedRank(rank, paths[rank], cols, groups=[]))
+        keys[rank], chan_keys[rank] = np.array(key, np.int64), np.array(chan, np.int64)
+    dense_group_seq(ranks, keys, chan_keys)
+    for r in ranks:
+        r.groups = [lines[g] for g in np.unique(r.columns["group_id"]).tolist()]
+    return ranks, lines, names
+
+
+def _instances(ranks: list[ImportedRank]) -> tuple[dict[int, np.ndarray], dict, dict]:
+    """(rank -> instance / pair key per row, instance -> (group, channel, place), rank -> channel -> last place)."""
     inst: dict[int, np.ndarray] = {}
     for r in ranks:
         c = r.columns
@@ -309,11 +213,21 @@ def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]]
         inst[r.rank] = np.array([hash((int(g), int(s), int(d), int(q)) if p else (int(g), int(q)))
                                  for g, q, p, s, d in zip(c["group_id"], c["group_seq"], p2p, src, dst)],
                                 dtype=np.int64) if len(r) else np.empty(0, np.int64)
+    return (inst, *_channel_seqs(ranks, inst))
+
+
+def _infer_states(ranks: list[ImportedRank], members: dict[int, tuple[int, ...]],
+                  dumps: dict[int, dict[int, list[int]]] | None = None,
+                  problems: list[LoadProblem] | None = None) -> dict[int, int]:
+    """Completed (at the last arrival) or not, per call; see the module docstring. Sets state, t_complete, flags.
+    ``dumps``: rank -> save_count -> [first, last] line time. Returns the ranks whose log ended early -> their
+    last call (:func:`_ended_early`)."""
+    start = {r.rank: int(r.columns["t_enqueue"].min()) if len(r) else 0 for r in ranks}
+    inst, where, last_seq = _instances(ranks)
     arrivals: dict[int, list[tuple[int, int, int]]] = {}  # instance -> (rank, row, t)
     for r in ranks:
         for row, (k, t) in enumerate(zip(inst[r.rank].tolist(), r.columns["t_enqueue"].tolist())):
             arrivals.setdefault(k, []).append((r.rank, row, t))
-    where, last_seq = _channel_seqs(ranks, inst)
     expected: dict[int, set[int]] = {}
     for r in ranks:
         c = r.columns

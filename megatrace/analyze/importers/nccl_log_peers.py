@@ -44,7 +44,7 @@ def _group_ends(calls: list[tuple], comms: list[tuple[str, tuple[int, ...]]]) ->
 
 
 def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, int], tuple[str, tuple[int, ...]]],
-                  layout: Layout | None) -> dict[tuple[int, int], tuple[int, int]]:
+                  layout: Layout | None, ended: dict[int, int] | None = None) -> dict[tuple[int, int], tuple[int, int]]:
     """(rank, row) -> (peer or -1, its place in the channel peer -> rank or rank -> peer) for every send and recv
     on a communicator of more than two ranks (a Megatron pipeline group: the log names no peer).
 
@@ -64,6 +64,11 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
     many calls as possible (a call left alone takes a candidate whose partner moves to another of its
     candidates, and so on), and the fewest pairs that would break a channel's order are undone. On the demo's
     TP2 x PP4 runs this gets 98-100% of the peers right; the rest are two neighbouring calls swapped.
+
+    A call made while a candidate's log does not cover it (the candidate's log starts later, or ended early:
+    ``ended``, its later dumps are missing, told from the collectives) is not paired on timing: its partner
+    may be that candidate, unobserved, and a neighbour's call of similar timing and size is not evidence
+    (under load, timings spread and such a call would take the place of the real partner's).
 
     A call left without a partner (its partner fell outside the other rank's log, or was never posted: what a
     hang leaves) gets its peer by elimination among its candidates, each step applied while more than one
@@ -88,6 +93,7 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
         if any(len(m) > 2 and c[1] in ("Send", "Recv") for c, (_, m) in zip(calls, mine)):
             ends[rank] = _group_ends(calls, mine)
     first_t = {r: calls[0][0] for r, calls in rank_calls.items() if calls}
+    log_end = {r: calls[-1][0] for r, calls in rank_calls.items() if calls and r in (ended or {})}
     for ckey, members in comms.items():
         by_rank = ops[ckey]
         stages = sorted(members, key=lambda m: layout.coords(m).pp) if layout is not None and \
@@ -99,7 +105,13 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
             k = stages.index(rank)
             return [stages[j] for j in (k - 1, k + 1) if 0 <= j < len(stages)]
 
-        matched = _match_p2p(rank_calls, by_rank, ends, candidates)
+        seen = {r: (max((first_t.get(b, math.inf) for b in candidates(r)), default=-math.inf),
+                    min((log_end.get(b, math.inf) for b in candidates(r)), default=math.inf)) for r in by_rank}
+
+        def unseen(rank: int, t: float, seen=seen) -> bool:  # noqa: ANN001 - (bound per communicator)
+            return t < seen[rank][0] - P2P_SKEW_NS or t > seen[rank][1] + P2P_SKEW_NS
+
+        matched = _match_p2p(rank_calls, by_rank, ends, candidates, unseen)
         last_t = {r: rank_calls[r][rows[-1]][0] for r, rows in by_rank.items()}
         stuck_kind = {}  # rank -> the one kind of call left unpaired in its last group ("Send" or "Recv")
         for r, rows in by_rank.items():
@@ -139,8 +151,11 @@ P2P_SKEW_NS = 200_000  # clock difference allowed between two hosts' logs when p
 
 
 def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]], ends: dict[int, list[float]],
-               candidates) -> dict[tuple[int, int], tuple[int, int]]:
-    """(rank, row) -> (peer, peer's row) for the send/recv pairs of one communicator; see :func:`p2p_partners`."""
+               candidates, unseen) -> dict[tuple[int, int], tuple[int, int]]:  # noqa: ANN001 - (rank -> ranks)
+    """(rank, row) -> (peer, peer's row) for the send/recv pairs of one communicator; see :func:`p2p_partners`.
+    ``unseen(rank, t)``: a candidate of the rank logged nothing at time ``t`` (its log starts later or ends
+    earlier, or is missing): a call of that rank then is not paired on timing (its partner may be the unseen
+    one), nor is a call paired with it."""
     import bisect
 
     recvs: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}  # rank -> (enqueue, moved-on, rows)
@@ -158,13 +173,14 @@ def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]]
             dcalls = rank_calls[dst]
             for i in rows:
                 c = calls[i]
-                if c[1] != "Send":
+                if c[1] != "Send" or unseen(rank, c[0]):
                     continue
                 lo = int(np.searchsorted(e_r, c[0] - P2P_SKEW_NS, "left"))
                 hi = int(np.searchsorted(t_r, end[i] + P2P_SKEW_NS, "right"))
                 for k in range(lo, hi):
                     j = r_rows[k]
-                    if dcalls[j][2] == c[2] and t_r[k] <= end[i] + P2P_SKEW_NS and e_r[k] >= c[0] - P2P_SKEW_NS:
+                    if dcalls[j][2] == c[2] and t_r[k] <= end[i] + P2P_SKEW_NS and e_r[k] >= c[0] - P2P_SKEW_NS \
+                            and not unseen(dst, dcalls[j][0]):
                         at = max(c[0], dcalls[j][0])
                         slack = _slack(e_r[k] - at)
                         edges.append((slack, at, rank, i, dst, j))
