@@ -16,8 +16,9 @@ from megatrace.analyze.traceset import RankInfo
 S = 1_000_000_000
 
 
-def _info(rank: int, *, closed: bool = False, beat: int = 0, pid: int = 0, host: str = "h") -> RankInfo:
-    return RankInfo(rank, host, rank, pid, f"rank-{rank}.ring", "job", "", closed, 10, 0, 0, 0, 0, heartbeat_ns=beat)
+def _info(rank: int, *, closed: bool = False, beat: int = 0, pulse: int = 0, pid: int = 0, host: str = "h") -> RankInfo:
+    return RankInfo(rank, host, rank, pid, f"rank-{rank}.ring", "job", "", closed, 10, 0, 0, 0, 0, heartbeat_ns=beat,
+                    pulse_ns=pulse)
 
 
 def test_process_state_of_a_running_a_stopped_and_a_gone_process() -> None:
@@ -62,13 +63,20 @@ def test_a_stopped_process_is_frozen_and_a_running_one_without_beats_is_wedged()
     assert "state T" in live.frozen[1] and "wedged" in live.frozen[2] and 0 not in live.frozen
 
 
-def test_the_first_process_gone_before_any_call_failed_crashed_not_those_killed_after() -> None:
-    infos = [_info(0, beat=101 * S), _info(1, closed=True, beat=101 * S), _info(2, beat=100 * S),
-             _info(3, beat=101 * S)]
+def test_the_first_process_gone_crashed_not_those_the_launcher_killed_after_it() -> None:
+    """Rank 2 killed; rank 1 exits on the error; ranks 0 and 3 killed by the launcher 60 ms later."""
+    ms = 1_000_000
+    infos = [_info(0, pulse=100 * S + 60 * ms), _info(1, closed=True), _info(2, pulse=100 * S),
+             _info(3, pulse=100 * S + 65 * ms)]
     probe = ProcessProbe("h", 200 * S, {0: GONE, 2: GONE, 3: GONE})
-    seen = {0: 100 * S, 1: 101 * S, 2: 100 * S, 3: 100 * S}
-    live = assess(infos, [0] * 4, {"h": 0}, seen, probe, first_failure_ns=100 * S + S // 2)
+    live = assess(infos, [0] * 4, {"h": 0}, {r: 99 * S for r in range(4)}, probe)
     assert set(live.crashed) == {2} and "outlived" in live.crashed[2]
+
+
+def test_a_process_whose_pulse_goes_on_but_whose_heartbeat_stopped_has_a_wedged_interpreter() -> None:
+    infos = [_info(0, beat=100 * S, pulse=100 * S), _info(1, beat=100 * S - FROZEN_NS - S, pulse=100 * S)]
+    live = assess(infos, [0, 0], {"h": 0}, {0: 99 * S, 1: 90 * S}, None)
+    assert set(live.frozen) == {1} and "wedged" in live.frozen[1]
 
 
 def test_processes_all_gone_at_once_with_no_ring_closed_ended_together() -> None:

@@ -314,9 +314,8 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     if finished:
         return HangAnalysis(end, True, status, last_activity, last_row, {}, graph, [], {},
                             leftover_pending=len(pending))
-    failed_at = tc[rec.state == State.FAILED]
     live = assess(trace.rank_info, [int(o) for o in clock.rank_offset_ns], clock.host_offset_ns, last_activity,
-                  trace.facts.probe, int(failed_at[failed_at > 0].min()) if (failed_at > 0).any() else None)
+                  trace.facts.probe)
     end = max(end, live.observed_ns or end)
     culprits = live.culprits()
 

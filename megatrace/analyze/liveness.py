@@ -4,9 +4,11 @@ Rings are read while jobs run (``megatrace analyze`` on a hung job's node-local 
 agent) and after they end. Two sources say which processes were alive and when the trace was
 observed, neither of them a guess:
 
-* the **heartbeat** each torch tracer writes into its ring header twice a second
-  (``RankInfo.heartbeat_ns``): the newest one of a job is the moment it was last seen, and a rank
-  whose beats stopped long before the others' was stopped, killed or wedged;
+* the **heartbeat** each torch tracer writes into its ring header ten times a second from a Python
+  thread (``RankInfo.heartbeat_ns``), and the **pulse** its C writer's native thread writes every
+  10 ms (``RankInfo.pulse_ns``): the newest of them is the moment the job was last seen; a rank whose
+  beats stopped long before the others' was stopped, killed or wedged, and one whose pulse goes on
+  while its heartbeat stopped has a wedged interpreter;
 * the **process table** of this host, for rings still open that a process of this host writes:
   running, stopped (``T``: SIGSTOP, a debugger), or gone. A pid is trusted only if its process
   started before its ring was created (a recycled pid is not the writer).
@@ -80,7 +82,8 @@ def probe(infos: list[RankInfo]) -> ProcessProbe | None:
 # -- assessment ---------------------------------------------------------------------------------
 FROZEN_NS = 3_000_000_000  # a heartbeat this far behind the job's newest one: the process stopped beating
 #                            (30 missed beats; a loaded host delays a beat by far less)
-DEATH_TIE_NS = 200_000_000  # without failures to order them, processes gone within this of the first went with it
+DEATH_TIE_PULSE_NS = 30_000_000  # processes gone within this of the first went with it (three 10 ms pulses) ...
+DEATH_TIE_NS = 200_000_000  # ... or within this without a pulse (two 100 ms heartbeats)
 
 
 @dataclass
@@ -112,64 +115,65 @@ def _duration(ns: int) -> str:
 
 
 def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dict[str, int],
-           last_activity: dict[int, int], probe: ProcessProbe | None, first_failure_ns: int | None = None) -> Liveness:
-    """Judge each rank from its heartbeat, this host's probe, and its ring's state (see :class:`Liveness`).
+           last_activity: dict[int, int], probe: ProcessProbe | None) -> Liveness:
+    """Judge each rank from its heartbeat and pulse, this host's probe, and its ring's state (see
+    :class:`Liveness`). ``rank_offset_ns`` aligns each rank's monotonic clock (``infos`` order);
+    ``last_activity`` is the aligned time of each rank's last record.
 
-    ``rank_offset_ns`` aligns each rank's monotonic clock (``infos`` order); ``last_activity`` is the
-    aligned time of each rank's last record; ``first_failure_ns`` the earliest failed call of any rank.
-    Of several processes gone, the ones that died first crashed: those last seen before the first call
-    failed anywhere (a death makes its peers' calls fail; a process seen alive after that died of its
-    consequences, e.g. killed by the launcher), else those gone within ``DEATH_TIE_NS`` of the first.
+    Of several processes gone, those last seen within ``DEATH_TIE_PULSE_NS`` of the first (``DEATH_TIE_NS``
+    without a native pulse to date them) crashed; the others went after them (a launcher killing the rest).
     """
     out = Liveness()
     beats: dict[int, int] = {}
+    pulses: dict[int, int] = {}
     for info, off in zip(infos, rank_offset_ns, strict=True):
         if info.heartbeat_ns > 0:
             beats[info.rank] = info.heartbeat_ns + int(off)
-        seen = max(last_activity.get(info.rank, 0), beats.get(info.rank, 0))
+        if info.pulse_ns > 0:
+            pulses[info.rank] = info.pulse_ns + int(off)
+        seen = max(last_activity.get(info.rank, 0), beats.get(info.rank, 0), pulses.get(info.rank, 0))
         if seen:
             out.seen_ns[info.rank] = seen
     states = probe.states if probe is not None else {}
     probe_ns = probe.mono_ns + host_offset_ns[probe.host] if probe is not None and probe.host in host_offset_ns else None
     out.alive = any(s in (RUNNING, STOPPED) for s in states.values()) \
-        or any(not i.closed_cleanly and i.rank not in states and i.rank in beats for i in infos)
-    candidates = [v for v in out.seen_ns.values()] + ([probe_ns] if probe_ns is not None and out.alive else [])
+        or any(not i.closed_cleanly and i.rank not in states and (i.rank in beats or i.rank in pulses) for i in infos)
+    candidates = list(out.seen_ns.values()) + ([probe_ns] if probe_ns is not None and out.alive else [])
     out.observed_ns = max(candidates) if candidates else None
     if out.observed_ns is None:
         return out
-    newest_beat = max(beats.values(), default=None)
+    now = out.observed_ns
+    newest = max(list(beats.values()) + list(pulses.values()), default=None)  # the liveliest rank's last sign
     by_rank = {i.rank: i for i in infos}
     gone = []
     for rank, info in by_rank.items():
         if info.closed_cleanly:
             continue
-        state = states.get(rank)
-        beat = beats.get(rank)
-        stale = beat is not None and out.observed_ns - beat > FROZEN_NS
+        state, beat, pulse = states.get(rank), beats.get(rank), pulses.get(rank)
+        beat_stale = beat is not None and newest is not None and newest - beat > FROZEN_NS
+        pulse_live = pulse is not None and newest is not None and newest - pulse <= FROZEN_NS
         if state == STOPPED:
             out.frozen[rank] = f"its process (pid {info.pid}) is stopped (state T: SIGSTOP or a debugger)" + (
-                f"; its last heartbeat was {_duration(out.observed_ns - beat)} before the trace was read"
-                if beat is not None else "")
+                f"; its last heartbeat was {_duration(now - beat)} before the trace was read" if beat else "")
         elif state == GONE:
             gone.append(rank)
-        elif stale and (state == RUNNING or newest_beat is not None and newest_beat - beat > FROZEN_NS):
-            out.frozen[rank] = (f"its tracer's heartbeat stopped {_duration(out.observed_ns - beat)} before the "
-                                f"trace was read while " + ("its process still runs: the Python interpreter is "
-                                                            "wedged (a thread holds the GIL)" if state == RUNNING
-                                                            else "the other ranks' went on: its process stopped "
-                                                                 "running (stopped, wedged or killed)"))
+        elif beat_stale and (state == RUNNING or pulse_live):
+            out.frozen[rank] = (f"its tracer's heartbeat stopped {_duration(now - beat)} before the trace was read "
+                                "while its process still runs: the Python interpreter is wedged (a thread holds "
+                                "the GIL and does not let it go)")
+        elif beat_stale:
+            out.frozen[rank] = (f"its tracer's heartbeat stopped {_duration(now - beat)} before the trace was read "
+                                "while the other ranks' went on: its process stopped running (stopped or killed)")
     if gone:
-        survivors = [r for r, i in by_rank.items() if i.closed_cleanly or states.get(r) in (RUNNING, STOPPED)
-                     or (r not in states and r in beats and out.observed_ns - beats[r] <= FROZEN_NS)]
-        seen = {r: out.seen_ns.get(r, out.observed_ns) for r in gone}
+        survivors = [r for r, i in by_rank.items() if i.closed_cleanly or states.get(r) in (RUNNING, STOPPED)]
+        seen = {r: out.seen_ns.get(r, now) for r in gone}
         first = min(seen.values())
-        spread = max(seen.values()) - first
-        before_failure = [r for r in gone if first_failure_ns is not None and seen[r] <= first_failure_ns]
-        if not survivors and spread <= FROZEN_NS and len(gone) == len(by_rank) and not before_failure:
+        if not survivors and len(gone) == len(by_rank) and max(seen.values()) - first <= FROZEN_NS:
             out.ended_together = True
         else:
-            for r in before_failure or gone:
-                if before_failure or seen[r] - first <= DEATH_TIE_NS:
+            tie = DEATH_TIE_PULSE_NS if all(r in pulses for r in gone) else DEATH_TIE_NS
+            for r in gone:
+                if seen[r] - first <= tie:
                     out.crashed[r] = (f"its process (pid {by_rank[r].pid}) is gone and its ring was never closed "
                                       "(killed, or died without unwinding)"
                                       + (f", while ranks {sorted(survivors)[:8]} outlived it" if survivors else ""))

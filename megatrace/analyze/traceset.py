@@ -62,6 +62,7 @@ class RankInfo:
     #                            later dumps): calls of others after its last record are unobserved on it, and its
     #                            silence after it is no stop
     heartbeat_ns: int = 0  # the tracer's last heartbeat (CLOCK_MONOTONIC of its host); 0: none (liveness.py)
+    pulse_ns: int = 0  # the C writer's last native pulse (same clock); 0: none
 
 
 @dataclass(frozen=True)

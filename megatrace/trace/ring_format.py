@@ -34,8 +34,12 @@ WRITE_COUNTER = struct.Struct("<Q")
 WRITER_STATE = struct.Struct("<I")
 HEARTBEAT_OFFSET = 272  # u64: CLOCK_MONOTONIC of the writer's last heartbeat; 0: the writer does not beat
 HEARTBEAT = struct.Struct("<Q")
-HEARTBEAT_INTERVAL_NS = 100_000_000  # the torch tracer beats ten times a second (a thread, not the training thread):
-#                                      fine enough to tell which of two processes killed moments apart went first
+HEARTBEAT_INTERVAL_NS = 100_000_000  # the torch tracer beats ten times a second from a Python thread: it stops when
+#                                      the process stops or the interpreter is wedged (a thread holds the GIL)
+PULSE_OFFSET = 280  # u64: CLOCK_MONOTONIC of the writer's last pulse; 0: the writer has no pulse
+PULSE = struct.Struct("<Q")
+PULSE_INTERVAL_NS = 10_000_000  # the C writer's native thread pulses every 10 ms, GIL or not: it stops only with
+#                                 the process, and dates a death within 10 ms (which of two killed moments apart went first)
 
 # Record: immutable head (bytes 0..44) + head_check, then a mutable tail.
 RECORD_HEAD = struct.Struct("<QQqQIiHBB")  # seq, group_seq, t_enqueue, nbytes, gid, peer, op, dtype, flags

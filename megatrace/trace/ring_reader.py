@@ -74,6 +74,7 @@ class RingHeader:
     write_counter: int
     writer_state: int
     heartbeat_ns: int = 0  # the writer's last heartbeat (its host's CLOCK_MONOTONIC); 0: it does not beat
+    pulse_ns: int = 0  # the writer's native pulse (same clock); 0: it has none
 
     @property
     def closed_cleanly(self) -> bool:
@@ -135,7 +136,7 @@ def _empty_rows(raw: np.ndarray) -> np.ndarray:
 
 
 META_LIMIT = 64 << 20  # a meta file is a few KiB (a group line per group); refuse anything absurd
-_HEADER_USED = fmt.HEARTBEAT_OFFSET + fmt.HEARTBEAT.size  # the header bytes that hold anything
+_HEADER_USED = fmt.PULSE_OFFSET + fmt.PULSE.size  # the header bytes that hold anything
 _HEADER_REQUIRED = fmt.WRITER_STATE_OFFSET + fmt.WRITER_STATE.size  # ... of which a reader needs these
 
 
@@ -168,8 +169,9 @@ def parse_header(path: str, blob: bytes, file_size: int | None = None) -> tuple[
     counter = fmt.WRITE_COUNTER.unpack_from(blob, fmt.WRITE_COUNTER_OFFSET)[0]
     state = fmt.WRITER_STATE.unpack_from(blob, fmt.WRITER_STATE_OFFSET)[0]
     beat = fmt.HEARTBEAT.unpack_from(blob, fmt.HEARTBEAT_OFFSET)[0] if len(blob) >= _HEADER_USED else 0
+    pulse = fmt.PULSE.unpack_from(blob, fmt.PULSE_OFFSET)[0] if len(blob) >= _HEADER_USED else 0
     header = RingHeader(path, version, capacity, rank, local_rank, world_size, pid, wall, mono,
-                        _decode(job), _decode(step), _decode(host), counter, state, beat)
+                        _decode(job), _decode(step), _decode(host), counter, state, beat, pulse)
     return header, problems
 
 

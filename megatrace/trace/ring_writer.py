@@ -213,6 +213,13 @@ class RingWriter:
                           separators=(",", ":"), default=str) + "\n"
         os.write(self._meta_fd, line.encode())
 
+    def start_pulse(self) -> bool:
+        """Start the C writer's pulse thread (``pulse_ns``, every 10 ms); False without the C hot path."""
+        if self.fast is None:
+            return False
+        self.fast.start_pulse(fmt.PULSE_INTERVAL_NS)
+        return True
+
     def beat(self, *, _now=time.monotonic_ns, _pack=fmt.HEARTBEAT.pack_into) -> None:
         """Say "this process still runs": the header's heartbeat, rewritten by the tracer's heartbeat thread."""
         _pack(self._mm, fmt.HEARTBEAT_OFFSET, _now())
@@ -226,6 +233,8 @@ class RingWriter:
         if self.closed:
             return
         self.closed = True
+        if self.fast is not None:
+            self.fast.stop_pulse()
         fmt.WRITER_STATE.pack_into(self._mm, fmt.WRITER_STATE_OFFSET, fmt.WriterState.CLOSED)
         os.close(self._meta_fd)
         # The mapping stays valid until the process exits: late completions from helper

@@ -139,6 +139,7 @@ class Tracer:
             return
         self.writer = writer
         try:
+            writer.start_pulse()
             self._heartbeat = Heartbeat(writer.beat)
             self._heartbeat.start()
         except Exception as exc:  # noqa: BLE001

@@ -9,7 +9,14 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
+
 #include "ring_record.h"
+
+#define MT_PULSE_OFFSET 280u /* ring_format.PULSE_OFFSET */
 
 typedef struct {
     PyObject_HEAD
@@ -19,7 +26,35 @@ typedef struct {
     uint64_t next_seq;
     PyObject *on_wrap; /* called once with the first seq this writer sees overwrite an older record */
     int wrap_told;
+    /* The pulse: a native thread that rewrites the header's pulse_ns every interval, GIL or not. */
+    pthread_t pulse_thread;
+    int pulse_running;
+    volatile int pulse_stop;
+    int64_t pulse_interval_ns;
 } FastRing;
+
+static void *pulse_main(void *arg)
+{
+    FastRing *self = (FastRing *)arg;
+    struct timespec pause = {self->pulse_interval_ns / 1000000000ll, self->pulse_interval_ns % 1000000000ll};
+    unsigned char *base = (unsigned char *)self->view.buf;
+    while (!self->pulse_stop) {
+        __atomic_store_n((int64_t *)(base + MT_PULSE_OFFSET), mt_now_ns(), __ATOMIC_RELAXED);
+        nanosleep(&pause, NULL);
+    }
+    return NULL;
+}
+
+static void pulse_halt(FastRing *self)
+{
+    if (!self->pulse_running)
+        return;
+    self->pulse_stop = 1;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(self->pulse_thread, NULL);
+    Py_END_ALLOW_THREADS
+    self->pulse_running = 0;
+}
 
 static int FastRing_init(FastRing *self, PyObject *args, PyObject *kwds)
 {
@@ -34,6 +69,7 @@ static int FastRing_init(FastRing *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "capacity must be positive");
         return -1;
     }
+    pulse_halt(self);
     if (self->has_view) {
         PyBuffer_Release(&self->view);
         self->has_view = 0;
@@ -52,6 +88,7 @@ static int FastRing_init(FastRing *self, PyObject *args, PyObject *kwds)
 
 static void FastRing_dealloc(FastRing *self)
 {
+    pulse_halt(self);
     if (self->has_view)
         PyBuffer_Release(&self->view);
     Py_XDECREF(self->on_wrap);
@@ -171,7 +208,43 @@ static PyObject *FastRing_shared_state(FastRing *self, PyObject *Py_UNUSED(ignor
                          (unsigned long long)(uintptr_t)&self->next_seq);
 }
 
+/* start_pulse(interval_ns): start the pulse thread (idempotent). Signals stay with the other threads. */
+static PyObject *FastRing_start_pulse(FastRing *self, PyObject *arg)
+{
+    long long interval = PyLong_AsLongLong(arg);
+    sigset_t all, old;
+    int err;
+    if (interval == -1 && PyErr_Occurred())
+        return NULL;
+    if (interval < 1000000 || interval > 10000000000ll) {
+        PyErr_SetString(PyExc_ValueError, "pulse interval must be 1 ms to 10 s");
+        return NULL;
+    }
+    if (self->pulse_running || !self->has_view)
+        Py_RETURN_NONE;
+    self->pulse_interval_ns = interval;
+    self->pulse_stop = 0;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    err = pthread_create(&self->pulse_thread, NULL, pulse_main, self);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->pulse_running = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *FastRing_stop_pulse(FastRing *self, PyObject *Py_UNUSED(ignored))
+{
+    pulse_halt(self);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef FastRing_methods[] = {
+    {"start_pulse", (PyCFunction)FastRing_start_pulse, METH_O, "Rewrite the header's pulse_ns every interval."},
+    {"stop_pulse", (PyCFunction)FastRing_stop_pulse, METH_NOARGS, "Stop the pulse thread."},
     {"shared_state", (PyCFunction)FastRing_shared_state, METH_NOARGS, "(address, capacity, counter address)."},
     {"begin", (PyCFunction)(void (*)(void))FastRing_begin, METH_FASTCALL, "Commit an 'entered' record."},
     {"complete_now", (PyCFunction)FastRing_complete_now, METH_O, "Complete a record just begun."},
