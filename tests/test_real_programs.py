@@ -19,7 +19,7 @@ import pytest
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
-from megatrace.trace.ring_reader import read_ring
+from megatrace.trace.ring_reader import RingFormatError, read_ring
 
 pytest.importorskip("torch")
 
@@ -58,7 +58,7 @@ class Job:
                 snaps = [read_ring(self.rings / f"rank-{r:05d}.ring") for r in range(WORLD)]
                 if all(s.header.write_counter >= warm_records for s in snaps):
                     return snaps[rank].header.pid
-            except (OSError, ValueError):
+            except (OSError, ValueError, RingFormatError):  # a ring being created reads as no ring yet
                 pass
             assert self.proc.poll() is None, (self.rings.parent / "job.log").read_text()[-3000:]
             time.sleep(0.2)
@@ -70,7 +70,7 @@ class Job:
         for path in sorted(self.rings.glob("rank-*.ring")):
             try:
                 pid = read_ring(path).header.pid
-            except (OSError, ValueError):
+            except (OSError, ValueError, RingFormatError):  # a ring being created reads as no ring yet
                 continue
             try:
                 if Path(f"/proc/{pid}/cmdline").read_bytes().find(b"tests/programs/") >= 0:
