@@ -44,6 +44,33 @@ def test_a_pid_younger_than_its_ring_is_not_the_writer() -> None:
     assert process_state(os.getpid(), ring_created_mono_ns=time.monotonic_ns()) == RUNNING
 
 
+def _proc_copy(root, pid: int, *, flags_or: int = 0, pending: str | None = None) -> str:
+    """A copy of this process's ``/proc/<pid>/stat`` and ``status``, with the flags or a pending mask changed."""
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    stat = open(f"/proc/{pid}/stat").read()
+    head, rest = stat[:stat.rfind(")") + 2], stat[stat.rfind(")") + 2:].split(" ")
+    rest[6] = str(int(rest[6]) | flags_or)
+    (d / "stat").write_text(head + " ".join(rest))
+    status = open(f"/proc/{pid}/status").read()
+    if pending is not None:
+        status = "\n".join(f"ShdPnd:\t{pending}" if line.startswith("ShdPnd:") else line for line in status.splitlines())
+    (d / "status").write_text(status)
+    return str(root)
+
+
+def test_a_process_killed_a_moment_ago_and_still_tearing_down_is_gone(tmp_path) -> None:
+    """A launcher's SIGKILL takes a while to tear down a big process: exiting, or with SIGKILL pending, it runs
+    none of its program any more (it must not count as a rank that outlived the others)."""
+    me = os.getpid()
+    assert process_state(me, time.monotonic_ns(), _proc_copy(tmp_path / "plain", me)) == RUNNING
+    assert process_state(me, time.monotonic_ns(), _proc_copy(tmp_path / "exiting", me, flags_or=0x4)) == GONE
+    kill = f"{1 << (signal.SIGKILL - 1):016x}"
+    assert process_state(me, time.monotonic_ns(), _proc_copy(tmp_path / "killed", me, pending=kill)) == GONE
+    term = f"{1 << (signal.SIGTERM - 1):016x}"
+    assert process_state(me, time.monotonic_ns(), _proc_copy(tmp_path / "termed", me, pending=term)) == RUNNING
+
+
 def test_a_rank_whose_heartbeat_stopped_while_the_others_beat_is_frozen() -> None:
     infos = [_info(0, beat=100 * S), _info(1, beat=100 * S - FROZEN_NS - S), _info(2, beat=100 * S)]
     live = assess(infos, [0, 0, 0], {"h": 0}, {0: 99 * S, 1: 95 * S, 2: 99 * S}, None)

@@ -11,12 +11,14 @@ observed, neither of them a guess:
   while its heartbeat stopped has a wedged interpreter;
 * the **process table** of this host, for rings still open that a process of this host writes:
   running, stopped (``T``: SIGSTOP, a debugger), or gone. A pid is trusted only if its process
-  started before its ring was created (a recycled pid is not the writer).
+  started before its ring was created (a recycled pid is not the writer); a process already
+  exiting, or with SIGKILL pending, is gone (a launcher's kill still tearing down a big process).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from megatrace.analyze.traceset import RankInfo
 
 RUNNING, STOPPED, GONE = "running", "stopped", "gone"
 START_SLACK_NS = 5_000_000_000  # a writer's process started at most this long after its ring was created
+PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting (killed, tearing down its memory)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,26 @@ def process_state(pid: int, ring_created_mono_ns: int, proc: str = "/proc") -> s
         return GONE  # this pid now belongs to a process younger than the ring
     if state in ("Z", "X", "x"):
         return GONE
+    if (int(fields[6]) if fields[6].isdigit() else 0) & PF_EXITING or _kill_pending(pid, proc):
+        return GONE  # killed a moment ago and still tearing down: it runs no more of its program
     return STOPPED if state in ("T", "t") else RUNNING
+
+
+def _kill_pending(pid: int, proc: str) -> bool:
+    """Whether SIGKILL waits to be delivered to ``pid`` (``SigPnd``/``ShdPnd`` of its status)."""
+    try:
+        with open(f"{proc}/{pid}/status", "rb") as f:
+            status = f.read(8192).decode("ascii", "replace")
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            try:
+                if int(line.split(":", 1)[1].strip(), 16) & (1 << (signal.SIGKILL - 1)):
+                    return True
+            except ValueError:
+                continue
+    return False
 
 
 def probe(infos: list[RankInfo]) -> ProcessProbe | None:

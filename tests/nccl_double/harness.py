@@ -166,17 +166,25 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _reap(exits: Path, driver: Path) -> None:
-    """SIGKILL rank processes that outlived their launcher (a wedged MPI can leave them running)."""
-    for f in exits.glob("pid-*"):
-        text = f.read_text().strip()
-        if not text.isdigit():
-            continue
-        try:
-            if Path(f"/proc/{text}/cmdline").read_bytes().split(b"\0")[0] == str(driver).encode():
-                os.kill(int(text), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass  # already gone
+def _reap(exits: Path, driver: Path, wait_s: float = 20.0) -> None:
+    """SIGKILL rank processes that outlived their launcher (a wedged MPI can leave them running), and
+    wait until every rank process is gone, as a launcher does before it reports the job's end."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = 0
+        for f in exits.glob("pid-*"):
+            text = f.read_text().strip()
+            if not text.isdigit():
+                continue
+            try:
+                if Path(f"/proc/{text}/cmdline").read_bytes().split(b"\0")[0] == str(driver).encode():
+                    os.kill(int(text), signal.SIGKILL)
+                    alive += 1
+            except (OSError, ValueError, IndexError):
+                pass  # already gone (a zombie's cmdline is empty)
+        if not alive or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _cancel(proc: subprocess.Popen) -> None:
