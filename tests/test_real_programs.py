@@ -109,6 +109,39 @@ def jobs():
         job.stop()
 
 
+class Throttle:
+    """Stop a process 50 ms of every 100 ms from outside (a thermally throttled or oversubscribed host)."""
+
+    def __init__(self, pid: int, stop_s: float = 0.05, run_s: float = 0.05) -> None:
+        import threading
+
+        self.pid, self.stop_s, self.run_s = pid, stop_s, run_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Throttle":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(self.stop_s)
+                os.kill(self.pid, signal.SIGCONT)
+                time.sleep(self.run_s)
+        except ProcessLookupError:
+            pass
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def _top(rings: Path):
     result = analyze(rings)
     return result, result.findings[0]
@@ -180,3 +213,15 @@ def test_a_live_job_silent_everywhere_is_a_stall_not_healthy(tmp_path: Path, job
     assert stall is not None, top.verdict
     assert stall.severity == Severity.WARNING and "alive" in stall.verdict
     assert not [f for f in result.findings if f.kind == Kind.HEALTHY]
+
+
+def test_a_rank_throttled_from_outside_is_the_straggler(tmp_path: Path, jobs: list[Job]) -> None:
+    """Rank 3 stopped 50 ms of every 100 ms: DDP's gradient all-reduces wait for it, in bursts."""
+    job = Job(DDP, tmp_path, "--iterations", "100000", "--seconds", "30")
+    jobs.append(job)
+    with Throttle(job.pid(3)):
+        assert job.wait() == 0
+    result, top = _top(job.rings)
+    assert top.kind == Kind.STRAGGLER and top.subject.rank == 3, [f.verdict for f in result.findings[:3]]
+    assert top.severity == Severity.WARNING
+    assert not [f for f in result.findings if f.kind in HANG_KINDS]

@@ -44,6 +44,8 @@ SMALL_GROUP = 16  # up to this many peers the reference leaves the rank itself o
 # A straggler must compute, per step, at least ...
 MIN_EXCESS_NS = 5_000_000  # ... 5 ms more than its peers (healthy demo ranks on 2 loaded cores: up to ~7 ms)
 MIN_EXCESS_REL = 0.2  # ... and 20% more: healthy demo ranks on a loaded machine reach 11%, a 1.5x slow rank 30%+
+#                       (half of it, 10%, suffices when the rank was slower in so many steps that chance explains
+#                       it with p < MAX_INTERVAL_P: ten steady steps or more, a noisy rank's sign flips)
 MIN_STEP_SHARE = 0.03  # ... and the excess is at least 3% of the step time (else it cannot matter)
 MIN_CONSISTENCY = 0.8  # ... in at least 80% of the steady steps (noise flips sign; a slow GPU does not)
 MIN_STEPS = 3  # steady steps needed for any verdict
@@ -56,6 +58,15 @@ MAX_INTERVAL_P = 1e-3  # ... and it is slower in so many intervals that chance e
 SAME_SPEED_RATIO = 1.05  # call by call within 5% of its peers over enough intervals: the rank computes as fast as
 #                          they do, and a per-step excess comes from elsewhere (short gaps, waits): not a straggler
 MAX_LISTED = 8  # ranks or links named one by one in a finding
+# Bursts: a rank stopped now and then (throttled, descheduled, a periodic pause) computes as fast as its peers most
+# of the time, so medians do not move; but it is the last arrival by far, often, and almost alone. A straggler in
+# bursts arrived last by more than ...
+LONG_LAG_STEP = 0.25  # ... a quarter of the median step (healthy demo and DDP ranks on 2 loaded cores: a handful
+#                       of such lags per hundred steps, spread over the ranks; 50 ms stops of every 100 ms: hundreds)
+MIN_LONG_LAGS = 10  # ... at least this many times,
+BURST_SHARE = 0.75  # ... holds at least this share of such waiting among the ranks doing the same work,
+MIN_BURST_RUN_SHARE = 0.05  # ... and it cost its peers at least 5% of the steady steps' time
+WHOLE_TRACE_LONG_LAG = 10.0  # without steps, a lag is long at 10x the median lag of the last arrivals (and >= 5 ms)
 
 
 @dataclass
@@ -76,6 +87,9 @@ class RankStats:
     collectives: int = 0
     confidence: float = 0.0
     straggler: bool = False
+    long_lags: int = 0  # times it arrived last by more than LONG_LAG_STEP of a step
+    long_lag_ns: int = 0  # the waiting those arrivals cost its peers
+    bursty: bool = False  # a straggler by its bursts of long lags (see LONG_LAG_STEP)
     intervals: int = 0  # paired compute intervals compared (0: calls not comparable with the peers')
     intervals_slower: int = 0  # of them, those where this rank took longer than its peers' median
     interval_ratio: float = 1.0  # median of (own interval / peers' median interval)
@@ -351,19 +365,18 @@ def compare_peers(trace: TraceSet, it: Iterations) -> tuple[dict[int, RankStats]
     return out, it.steps[cols].tolist()
 
 
-def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray, gap: np.ndarray,
-                 steps: list[int]) -> dict[int, tuple[int, int, int, int]]:
-    """Per rank: (lag caused as last arrival, part explained by its own compute, times last, instances entered).
-
-    Only complete collective instances of ``steps`` with two or more members count.
-    """
+def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray,
+                   gap: np.ndarray, steps: list[int] | None) -> tuple[np.ndarray, ...] | None:
+    """Per complete collective instance of ``steps`` (None: the whole trace) with two or more members: its last
+    arrival's rank, its lag behind the median arrival, the part its own compute explains; and every member row."""
     rec = trace.records
-    rows = np.flatnonzero((ix.inst >= 0) & np.isin(it.record_step, steps) & (rec.state == State.COMPLETED))
+    in_steps = np.isin(it.record_step, steps) if steps is not None else True
+    rows = np.flatnonzero((ix.inst >= 0) & in_steps & (rec.state == State.COMPLETED))
     inst = ix.inst[rows]
     ok = (c.complete & (c.n_members >= 2))[inst]
     rows, inst = rows[ok], inst[ok]
     if not len(rows):
-        return {}
+        return None
     order = np.lexsort((te[rows], inst))
     rows, inst = rows[order], inst[order]
     starts = np.flatnonzero(np.r_[True, np.diff(inst) != 0])
@@ -375,15 +388,46 @@ def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iteration
     by_gap = np.lexsort((gap[rows], inst))
     med_gap = gap[rows][by_gap][starts + (sizes - 1) // 2]
     own = np.clip(gap[last] - med_gap, 0, lag)
-    who = rec.rank[last]
-    out: dict[int, tuple[int, int, int, int]] = {}
-    entered = np.bincount(rec.rank[rows], minlength=trace.world_size)
-    caused = np.bincount(who, weights=lag, minlength=trace.world_size)
-    owned = np.bincount(who, weights=own, minlength=trace.world_size)
-    times = np.bincount(who, minlength=trace.world_size)
+    return rec.rank[last], lag, own, rows
+
+
+def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray, gap: np.ndarray,
+                 steps: list[int] | None, long_ns: int | None = 0) -> dict[int, tuple[int, int, int, int, int, int]]:
+    """Per rank: (lag caused as last arrival, part explained by its own compute, times last, instances entered,
+    times last by more than ``long_ns``, the lag of those). ``long_ns=None``: WHOLE_TRACE_LONG_LAG times the
+    median lag (and at least MIN_EXCESS_NS), for a trace without steps to measure a long lag by."""
+    got = _last_arrivals(trace, ix, c, it, te, gap, steps)
+    if got is None:
+        return {}
+    who, lag, own, rows = got
+    if long_ns is None:
+        long_ns = max(MIN_EXCESS_NS, int(WHOLE_TRACE_LONG_LAG * float(np.median(lag))))
+    out: dict[int, tuple[int, int, int, int, int, int]] = {}
+    world = trace.world_size
+    entered = np.bincount(trace.records.rank[rows], minlength=world)
+    caused = np.bincount(who, weights=lag, minlength=world)
+    owned = np.bincount(who, weights=own, minlength=world)
+    times = np.bincount(who, minlength=world)
+    long = lag > long_ns if long_ns > 0 else np.zeros(len(lag), bool)
+    long_times = np.bincount(who[long], minlength=world)
+    long_lag = np.bincount(who[long], weights=lag[long], minlength=world)
     for r in trace.ranks.tolist():
-        out[r] = (int(caused[r]), int(owned[r]), int(times[r]), int(entered[r]))
+        out[r] = (int(caused[r]), int(owned[r]), int(times[r]), int(entered[r]), int(long_times[r]), int(long_lag[r]))
     return out
+
+
+def judge_bursts(stats: dict[int, RankStats], run_ns: int) -> list[int]:
+    """Flag the stragglers in bursts (see LONG_LAG_STEP), most waiting caused first; sets ``bursty``."""
+    flagged = []
+    for s in stats.values():
+        group_long = sum(stats[r].long_lag_ns for r in s.group if r in stats)
+        s.bursty = (s.long_lags >= MIN_LONG_LAGS and s.long_lag_ns >= BURST_SHARE * group_long
+                    and s.long_lag_ns >= MIN_BURST_RUN_SHARE * run_ns)
+        if s.bursty:
+            s.straggler = True
+            s.confidence = max(s.confidence, round(min(0.95, 0.5 + 0.5 * s.long_lag_ns / max(group_long, 1)), 3))
+            flagged.append(s.rank)
+    return sorted(flagged, key=lambda r: -stats[r].long_lag_ns)
 
 
 def judge(stats: dict[int, RankStats], step_ns: int) -> list[int]:
@@ -392,8 +436,9 @@ def judge(stats: dict[int, RankStats], step_ns: int) -> list[int]:
     for s in stats.values():
         s.confidence = _confidence(s, len(s.group) - 1)
         same_speed = s.intervals >= MIN_INTERVALS and s.interval_ratio < SAME_SPEED_RATIO
-        per_step = (s.excess_ns >= MIN_EXCESS_NS and s.relative >= MIN_EXCESS_REL
-                    and s.consistency >= MIN_CONSISTENCY and not same_speed)
+        per_step = (s.excess_ns >= MIN_EXCESS_NS and s.consistency >= MIN_CONSISTENCY and not same_speed
+                    and (s.relative >= MIN_EXCESS_REL
+                         or (s.relative >= MIN_EXCESS_REL / 2 and _sign_tail(s.steps_slower, s.steps) < MAX_INTERVAL_P)))
         if s.whole_trace:  # step_ns: the length of the trace
             s.straggler = _slow_by_intervals(s) and s.excess_ns >= max(MIN_EXCESS_NS, MIN_STEP_SHARE * step_ns)
         else:
@@ -410,7 +455,7 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
                        tc: np.ndarray) -> StragglerResult:
     """Straggler statistics, arrival-lag blame, the delay matrix and slow links over the steady steps."""
     if not it.n_steps:
-        return _whole_trace_stragglers(trace, it, te, tc)
+        return _whole_trace_stragglers(trace, ix, c, it, te, tc)
     stats, steps = compare_peers(trace, it)
     step_cols = np.isin(it.steps, steps)
     step_ns = int(np.median(it.step_ns[step_cols]))
@@ -421,12 +466,16 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
             if r in stats:
                 stats[r].intervals, stats[r].intervals_slower = whole.intervals, whole.intervals_slower
                 stats[r].interval_ratio = whole.interval_ratio
-    for r, (caused, own, times, entered) in arrival_lags(trace, ix, c, it, te, gap, steps).items():
+    lags = arrival_lags(trace, ix, c, it, te, gap, steps, long_ns=int(LONG_LAG_STEP * step_ns))
+    for r, (caused, own, times, entered, long_times, long_lag) in lags.items():
         if r in stats:
             s = stats[r]
             s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
+            s.long_lags, s.long_lag_ns = long_times, long_lag
     notes: list[str] = []
-    flagged, explained = _explain_neighbours(trace, stats, judge(stats, step_ns), notes)
+    by_compute = judge(stats, step_ns)
+    bursts = [r for r in judge_bursts(stats, int(step_ns * len(steps))) if r not in by_compute]
+    flagged, explained = _explain_neighbours(trace, stats, by_compute + bursts, notes)
     pairs, delay, slow_ranks, slow_links = analyze_links(trace, ix, c, it, te, tc, steps)
     if len(steps) < MIN_STEPS:
         notes.append(f"only {len(steps)} steady steps: too few to judge stragglers")
@@ -434,7 +483,8 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
                            explained=explained)
 
 
-def _whole_trace_stragglers(trace: TraceSet, it: Iterations, te: np.ndarray, tc: np.ndarray) -> StragglerResult:
+def _whole_trace_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray,
+                            tc: np.ndarray) -> StragglerResult:
     """No step could be told apart: compare the ranks call by call over the whole trace."""
     world = trace.world_size
     stats = compare_calls(trace, it.roles, compute_gaps(trace, it.roles, te, tc))
@@ -443,6 +493,14 @@ def _whole_trace_stragglers(trace: TraceSet, it: Iterations, te: np.ndarray, tc:
     done = tc > 0
     span = int(tc[done].max() - te[done].min()) if done.any() else 0
     flagged = judge(stats, span)
+    gap = compute_gaps(trace, it.roles, te, tc)
+    for r, (caused, own, times, entered, long_times, long_lag) in \
+            arrival_lags(trace, ix, c, it, te, gap, None, long_ns=None).items():
+        if r in stats:
+            s = stats[r]
+            s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
+            s.long_lags, s.long_lag_ns = long_times, long_lag
+    flagged += [r for r in judge_bursts(stats, span) if r not in flagged]
     notes = ["no step could be told apart: ranks doing the same work compared call by call over the whole trace"]
     flagged, explained = _explain_neighbours(trace, stats, flagged, notes)
     return StragglerResult([], span, stats, [], delay_matrix([], world), flagged, notes=notes, explained=explained)
@@ -487,8 +545,16 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
     slower = s.interval_ratio - 1.0 if _slow_by_intervals(s) else s.relative  # the finer estimate when it holds
     per = "in the whole trace" if s.whole_trace else "per step"
     arrivals = trace.completion_times == "arrivals"  # transfer times count as everyone's compute: a lower bound
-    verdict = (f"{rank_label(trace, r)} computes {'at least ' if arrivals else ''}{slower:.0%} slower than the "
-               f"ranks doing the same work ({duration(s.excess_ns)} more {per} than {peers})")
+    if s.bursty and not (s.excess_ns > 0 and s.relative >= MIN_EXCESS_REL):
+        others = sum(res.ranks[q].long_lags for q in s.peers if q in res.ranks)
+        verdict = (f"{rank_label(trace, r)} keeps the ranks doing the same work waiting in bursts: it arrived last "
+                   f"by more than a quarter step ({duration(LONG_LAG_STEP * res.step_ns)}) {s.long_lags} times, "
+                   f"{duration(s.long_lag_ns)} of waiting in all "
+                   f"({s.long_lag_ns / max(res.step_ns * len(res.steps), 1):.0%} of the steps' time); {peers} "
+                   f"together, {others} times")
+    else:
+        verdict = (f"{rank_label(trace, r)} computes {'at least ' if arrivals else ''}{slower:.0%} slower than the "
+                   f"ranks doing the same work ({duration(s.excess_ns)} more {per} than {peers})")
     impact = res.impact_ns.get(r)
     if impact:
         verdict += f"; at their speed steps would take {duration(impact)} ({impact / res.step_ns:.0%}) less"

@@ -44,7 +44,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1000 + rank)
     start = time.monotonic()
     for it in range(args.iterations):
-        if time.monotonic() - start > args.seconds:
+        out_of_time = torch.tensor([float(time.monotonic() - start > args.seconds)])
+        dist.all_reduce(out_of_time, op=dist.ReduceOp.MAX)  # every rank stops at the same iteration
+        if out_of_time.item():
             break
         obs, target = experience(policy, 256, gen)
         for _ in range(4):  # a few epochs over the batch

@@ -45,7 +45,9 @@ def main() -> None:
     flat = torch.nn.utils.parameters_to_vector(policy.parameters()).detach()
     start = time.monotonic()
     for it in range(args.iterations):
-        if time.monotonic() - start > args.seconds:
+        out_of_time = torch.tensor([float(time.monotonic() - start > args.seconds)])
+        dist.broadcast(out_of_time, src=0)  # the player's clock decides, for every rank at the same iteration
+        if out_of_time.item():
             break
         if it == args.pause_at:
             time.sleep(args.pause_s)
