@@ -85,6 +85,7 @@ Examples:
   megatrace demo --engine ddp --ranks 4 --fault commhang:rank=2,step=5
   megatrace demo --engine tp --ranks 4 --tp 2 --fault slow:rank=1,factor=3
   megatrace demo --engine pipeline --ranks 4 --microbatches 8 --fault hang:rank=2,step=3,phase=backward
+  megatrace demo --engine pipeline --pp 2 --dp 2 --fault slow:rank=1,factor=2
 """)
 @click.option("--engine", type=click.Choice(list(ENGINES)), default=DEFAULT_ENGINE, show_default=True,
               help="The parallel API that trains the model (see below).")
@@ -92,7 +93,7 @@ Examples:
               help="World size [default: 8 for 3d, else 4; or the product of the sizes given].")
 @click.option("--tp", type=click.IntRange(1), default=None, help="Tensor-parallel size (3d, tp) [default: 2].")
 @click.option("--pp", type=click.IntRange(1), default=None,
-              help="Pipeline-parallel size (3d [default: 2]; pipeline: the world size).")
+              help="Pipeline-parallel size (3d [default: 2]; pipeline: ranks / dp).")
 @click.option("--dp", type=click.IntRange(1), default=None, help="Data-parallel size [default: ranks/(tp*pp)].")
 @click.option("--order", type=click.Choice(ORDERS),
               default="tp-dp-pp", show_default=True,

@@ -234,7 +234,7 @@ def test_slowlink_delays_arrivals_on_that_link_only(tmp_path: Path) -> None:
     (["--engine", "fsdp", "--microbatches", "4"], "--microbatches does not apply"),
     (["--engine", "tp", "--ranks", "3"], "3 ranks (--ranks) are not divisible by tp*pp = 2*1 = 2"),
     (["--engine", "pipeline", "--ranks", "8"], "Schedule1F1B needs at least as many microbatches as stages"),
-    (["--engine", "pipeline", "--ranks", "4", "--pp", "2"], "one stage per rank"),
+    (["--engine", "pipeline", "--ranks", "6", "--pp", "4"], "6 ranks (--ranks) are not divisible by tp*pp = 1*4 = 4"),
     (["--engine", "ddp", "--fault", "slowlink:ranks=0-1,delay_ms=5"], "the ddp engine cannot inject slowlink"),
     (["--engine", "tp", "--dp-mode", "reduce-scatter"], "only the 3d engine has a --dp-mode"),
     (["--engine", "ddp", "--fault", "hang:rank=4,step=1"], "rank 4 is outside the world of 4 ranks"),

@@ -33,17 +33,24 @@ ENTERED, COMPLETED = int(State.ENQUEUED), int(State.COMPLETED)
 HEALTHY_STEPS = 8
 SIZES = {"ddp": dict(dp=2), "fsdp": dict(dp=2), "tp": dict(tp=2, dp=2), "pipeline": dict(pp=2)}
 FAULT_SIZES = {**SIZES, "tp": dict(tp=2, dp=1)}  # fault runs: 2 ranks each
+# Healthy runs: each engine, and two pipelines of two stages (pipelining on a DeviceMesh's pp groups, DP
+# all-reduces on its dp groups).
+HEALTHY_SIZES = {**SIZES, "pipeline-dp": dict(pp=2, dp=2)}
+ENGINE_OF = {"pipeline-dp": "pipeline"}
 # What the layout must say each engine is: (world, tp, pp, dp).
-LAYOUTS = {"ddp": (2, 1, 1, 2), "fsdp": (2, 1, 1, 2), "tp": (4, 2, 1, 2), "pipeline": (2, 1, 2, 1)}
+LAYOUTS = {"ddp": (2, 1, 1, 2), "fsdp": (2, 1, 1, 2), "tp": (4, 2, 1, 2), "pipeline": (2, 1, 2, 1),
+           "pipeline-dp": (4, 1, 2, 2)}
 # The calls that make each engine what it is (beyond the counts, which torch's references check).
 SIGNATURE_OPS = {"ddp": {"all_reduce", "reduce", "broadcast"}, "fsdp": {"all_gather", "reduce_scatter"},
-                 "tp": {"all_reduce", "scatter", "broadcast"}, "pipeline": {"send", "recv"}}
+                 "tp": {"all_reduce", "scatter", "broadcast"}, "pipeline": {"send", "recv"},
+                 "pipeline-dp": {"send", "recv", "all_reduce"}}
 
 
-def demo(out: Path, engine: str, sizes: dict | None = None, **kwargs: object) -> DemoResult:
-    opts: dict = dict(steps=4, stall_s=3.0, deadline_s=120.0, crash_grace_s=3.0, **(sizes or SIZES[engine]))
+def demo(out: Path, case: str, sizes: dict | None = None, **kwargs: object) -> DemoResult:
+    """Run the demo's engine of ``case`` (an engine, or a named layout of one: HEALTHY_SIZES)."""
+    opts: dict = dict(steps=4, stall_s=3.0, deadline_s=120.0, crash_grace_s=3.0, **(sizes or HEALTHY_SIZES[case]))
     opts.update(kwargs)
-    return run_local(DemoOptions(engine=engine, out=out, **opts), log=print)
+    return run_local(DemoOptions(engine=ENGINE_OF.get(case, case), out=out, **opts), log=print)
 
 
 def fault_run(out: Path, engine: str, fault: str) -> DemoResult:
@@ -72,7 +79,7 @@ def log_of(out: Path, rank: int) -> str:
 
 # -- healthy runs --------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=list(SIZES))
+@pytest.fixture(scope="module", params=list(HEALTHY_SIZES))
 def healthy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, DemoResult]:
     engine = request.param
     root = tmp_path_factory.mktemp(f"healthy-{engine}")

@@ -394,7 +394,7 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
     Corroboration: a waiter's call failed (a timeout), the culprit crashed or exited, or the launcher /
     agent reported the job stalled. Otherwise the stop must be long against the usual gap between calls:
     ``STALL_FACTOR`` times it, or ``QUIET_FACTOR`` times it when no rank was still progressing; and at
-    least ``RUNNING_MIN_STALL_NS`` in a snapshot of a job that was still running.
+    least ``RUNNING_MIN_STALL_NS`` in a snapshot of a job that was still running or of one ended as a whole.
     """
     stalled = trace.facts.outcome in STALLED_OUTCOMES
     for root in roots:
@@ -409,7 +409,10 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
             root.confirmed = True
         elif root.silence_ns is not None:
             factor = QUIET_FACTOR if quiet else STALL_FACTOR
-            floor = RUNNING_MIN_STALL_NS if trace.facts.outcome in RUNNING_OUTCOMES else MIN_STALL_NS
+            # a snapshot of a running job, or a job killed as a whole (a time limit, a cancel), was cut
+            # while it ran: a short stop then is work in flight, only a long one is a hang
+            cut = trace.facts.outcome in RUNNING_OUTCOMES or live.ended_together
+            floor = RUNNING_MIN_STALL_NS if cut else MIN_STALL_NS
             root.confirmed = root.silence_ns >= max(floor, factor * (root.usual_gap_ns or 0))
 
 

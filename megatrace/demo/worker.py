@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
                    help="the parallel API that trains the model (see megatrace.demo.engines)")
     p.add_argument("--tp", type=int, default=None, help="default: the engine's (3d and tp: 2)")
-    p.add_argument("--pp", type=int, default=None, help="default: the engine's (3d: 2, pipeline: world size)")
+    p.add_argument("--pp", type=int, default=None, help="default: the engine's (3d: 2, pipeline: world size / dp)")
     p.add_argument("--dp", type=int, default=None, help="default: world size / (tp * pp)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--microbatches", type=int, default=None, help="3d and pipeline only; default 4")

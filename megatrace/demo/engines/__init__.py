@@ -8,7 +8,8 @@
 * ``tp``: DTensor ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on a
   ``DeviceMesh`` (``dp`` x ``tp`` when dp > 1) (:mod:`~megatrace.demo.engines.tp`).
 * ``pipeline``: ``torch.distributed.pipelining`` ``PipelineStage`` + ``Schedule1F1B``, one stage
-  per rank (:mod:`~megatrace.demo.engines.pipeline`).
+  per rank of each pipeline, ``dp`` pipelines averaging their gradients
+  (:mod:`~megatrace.demo.engines.pipeline`).
 
 This module is light (no torch): the command line checks options, layouts and faults with it
 before any process starts. Each engine module is imported by the worker only.
@@ -54,8 +55,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            ("dp",), False, _NO_P2P, 4),
     Engine("tp", "DTensor parallelize_module, ColwiseParallel + RowwiseParallel on a DeviceMesh", "tp",
            ("tp", "dp"), False, _NO_P2P, 4),
-    Engine("pipeline", "torch.distributed.pipelining PipelineStage + Schedule1F1B, one stage per rank",
-           "pipeline", ("pp",), True, _ALL_FAULTS, 4, point_to_point=True),
+    Engine("pipeline", "torch.distributed.pipelining PipelineStage + Schedule1F1B, one stage per rank (x DP)",
+           "pipeline", ("pp", "dp"), True, _ALL_FAULTS, 4, point_to_point=True),
 )}
 DEFAULT_ENGINE = "3d"
 
@@ -75,8 +76,8 @@ def engine_layout(name: str, world: int | None = None, *, tp: int | None = None,
 
     ``3d`` is TP x PP x DP (tp and pp 2 by default); ``ddp`` and ``fsdp`` are data parallel over the
     world (dp = world); ``tp`` is ``dp`` x ``tp`` with TP ranks adjacent (the DeviceMesh's row-major
-    order, ``tp-dp-pp``; tp 2 by default); ``pipeline`` is one stage per rank (pp = world) under the
-    1F1B schedule. ``world`` defaults to the product of the given sizes, else the engine's default.
+    order, ``tp-dp-pp``; tp 2 by default); ``pipeline`` is one stage per rank under the 1F1B schedule
+    (pp = world / dp, dp 1 by default). ``world`` defaults to the product of the given sizes, else the engine's default.
     :class:`LayoutError` names the option that does not fit.
     """
     engine = get_engine(name)
@@ -88,8 +89,10 @@ def engine_layout(name: str, world: int | None = None, *, tp: int | None = None,
         raise LayoutError(f"the {name} engine has no pipeline schedule: --microbatches does not apply")
     tp = tp or (2 if name in ("3d", "tp") else 1)
     if name == "pipeline":
-        pp = pp or world or engine.default_ranks
-        world = world or pp
+        if world is None and dp is None:
+            dp = 1  # one pipeline unless the ranks say otherwise
+        if pp is None:
+            pp = max(1, (world or engine.default_ranks) // (dp or 1))
     pp = pp or (2 if name == "3d" else 1)
     if world is None:
         world = tp * pp * dp if dp else engine.default_ranks
@@ -99,8 +102,6 @@ def engine_layout(name: str, world: int | None = None, *, tp: int | None = None,
         dp = world // (tp * pp)
     if world != tp * pp * dp:
         raise LayoutError(f"{world} ranks (--ranks) != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}")
-    if name == "pipeline" and dp != 1:
-        raise LayoutError(f"the pipeline engine runs one stage per rank: --pp {pp} must equal the {world} ranks")
     microbatches = (microbatches or 4) if engine.microbatches else 1
     if name == "pipeline" and microbatches < pp:
         raise LayoutError(f"Schedule1F1B needs at least as many microbatches as stages: "

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatrace.demo.model import FFN, HIDDEN, LAYER_SEED, LR, MomentumSGD, batch
 from megatrace.demo.runtime import Session
@@ -104,3 +106,20 @@ def train_step(session: Session, model: nn.Module, clock: ComputeClock, optimize
         before_update()
     optimizer.step()
     return loss.detach().clone()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (DTensor) tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def average_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
+    """Average the local gradient shards over ``group`` with one flat all_reduce (as a DP wrapper would)."""
+    grads = [_local(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -16,31 +16,12 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from megatrace.demo.engines.common import LR, MomentumSGD, batch, build_blocks, train_step
+from megatrace.demo.engines.common import LR, MomentumSGD, average_gradients, batch, build_blocks, train_step
 from megatrace.demo.runtime import Session, StepResult
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (DTensor) tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def average_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
-    """Average the local gradient shards over ``group`` with one flat all_reduce (as a DP wrapper would)."""
-    grads = [_local(p.grad) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def build_mesh(dp: int, tp: int) -> tuple[DeviceMesh, DeviceMesh | None]:
