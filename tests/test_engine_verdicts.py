@@ -19,7 +19,7 @@ import pytest
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
 from megatrace.trace.ring_reader import RingFormatError, read_ring
-from test_real_programs import Throttle
+from outside import Throttle
 
 pytest.importorskip("torch")
 

@@ -16,21 +16,12 @@ from pathlib import Path
 import pytest
 
 from megatrace.trace.ring_reader import RingFormatError, read_ring
+from outside import wait_for
 from test_slurm_lab import PYTHON, job_info, submit
 
 DDP = Path(__file__).with_name("programs") / "ddp_reduce_loop.py"
 RING_BASE = Path("/dev/shm/megatrace")  # the lab's node-local ring base (slurm/megatrace-lib.sh LOCAL_DIR)
 HANG_TIMEOUT_S = 30
-
-
-def _wait(what, timeout: float, step: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(step)
-    return None
 
 
 def _warm_ring(job: str, node: str, rank: int, records: int = 60) -> Path | None:
@@ -51,12 +42,12 @@ srun -N4 -n4 bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SL
 """
     job = submit(script, tmp_path, f"--megatrace=hang-timeout={HANG_TIMEOUT_S},on-hang=cancel", "-N4", "-n4",
                  "--time=10")
-    ring = _wait(lambda: _warm_ring(job, "n3", 2), timeout=180)
+    ring = wait_for(lambda: _warm_ring(job, "n3", 2), timeout=180)
     assert ring is not None, f"rank 2's ring on n3 never filled; job {job_info(job)}"
     pid = read_ring(ring).header.pid
     os.kill(pid, signal.SIGSTOP)
     stopped_at = time.time()
-    findings = _wait(lambda: next((tmp_path / f"megatrace-{job}").glob("*/findings.json"), None), timeout=240)
+    findings = wait_for(lambda: next((tmp_path / f"megatrace-{job}").glob("*/findings.json"), None), timeout=240)
     assert findings is not None, f"no report; job {job_info(job)}"
     elapsed = findings.stat().st_mtime - stopped_at
     try:
@@ -68,4 +59,4 @@ srun -N4 -n4 bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SL
     assert top["subject"]["host"] == "n3" and top["severity"] == "critical", top
     assert "stopped running" in top["verdict"]
     assert elapsed <= HANG_TIMEOUT_S + 60, elapsed
-    assert _wait(lambda: job_info(job).get("JobState") in ("CANCELLED", "FAILED", "COMPLETED"), timeout=120)
+    assert wait_for(lambda: job_info(job).get("JobState") in ("CANCELLED", "FAILED", "COMPLETED"), timeout=120)

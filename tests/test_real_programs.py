@@ -20,6 +20,7 @@ import pytest
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
 from megatrace.trace.ring_reader import RingFormatError, read_ring
+from outside import Throttle
 
 pytest.importorskip("torch")
 
@@ -107,39 +108,6 @@ def jobs():
     yield started
     for job in started:
         job.stop()
-
-
-class Throttle:
-    """Stop a process 50 ms of every 100 ms from outside (a thermally throttled or oversubscribed host)."""
-
-    def __init__(self, pid: int, stop_s: float = 0.05, run_s: float = 0.05) -> None:
-        import threading
-
-        self.pid, self.stop_s, self.run_s = pid, stop_s, run_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "Throttle":
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            while not self._done.is_set():
-                os.kill(self.pid, signal.SIGSTOP)
-                time.sleep(self.stop_s)
-                os.kill(self.pid, signal.SIGCONT)
-                time.sleep(self.run_s)
-        except ProcessLookupError:
-            pass
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-        try:
-            os.kill(self.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def _top(rings: Path):

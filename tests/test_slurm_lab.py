@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from outside import wait_for
 
 MEGATRACE = str(Path(sys.executable).parent / "megatrace")
 PYTHON = sys.executable
@@ -326,16 +327,6 @@ def test_the_health_check_drains_a_failing_node_alerts_once_and_resumes_it(lab, 
         _run(["scontrol", "update", "NodeName=n4", "State=RESUME"])
 
 
-def _wait_for(what, timeout: float, step: float = 0.5):
-    until = time.monotonic() + timeout
-    while time.monotonic() < until:
-        value = what()
-        if value:
-            return value
-        time.sleep(step)
-    return what()
-
-
 @pytest.mark.slow
 def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resumes(lab, tmp_path):
     """The lab's slurm.conf names slurm/healthcheck as HealthCheckProgram; here with a 10 s interval."""
@@ -354,17 +345,17 @@ def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resum
         site.write_text(site.read_text().replace("HEALTH_ARGS=", f"HEALTH_ARGS=--history {tmp_path}/history.db ", 1))
         # Inject only once a check has run with that history: one that read the site config before the change
         # but saw the failure would alert from the default history too (two alerts, from two histories).
-        assert _wait_for(lambda: (tmp_path / "history.db").exists(), timeout=3 * interval)
+        assert wait_for(lambda: (tmp_path / "history.db").exists(), timeout=3 * interval)
         fail.write_text("drill: slurmd health check\n")
         os.chmod(fail, 0o644)
         injected = time.monotonic()
-        assert _wait_for(lambda: "drain" in node_state("n3")[0], timeout=3 * interval), node_state("n3")
+        assert wait_for(lambda: "drain" in node_state("n3")[0], timeout=3 * interval), node_state("n3")
         assert time.monotonic() - injected <= interval + 10  # one interval, plus the check's own run time
         assert node_state("n3")[1].startswith("megatrace:") and "slurmd health check" in node_state("n3")[1]
         time.sleep(2 * interval)  # two more failing checks: still one alert
         assert len(got) == 1 and got[0]["key"] == "n3:node.injected", got
         fail.unlink()
-        assert _wait_for(lambda: "drain" not in node_state("n3")[0], timeout=4 * interval), node_state("n3")
+        assert wait_for(lambda: "drain" not in node_state("n3")[0], timeout=4 * interval), node_state("n3")
         nodes = _run([MEGATRACE, "nodes", "--history", str(tmp_path / "history.db")])
         assert "n3" in nodes.stdout and "slurmd health check" in nodes.stdout, nodes.stdout
     finally:
@@ -817,8 +808,8 @@ srun -N2 -n4 --overcommit --kill-on-bad-exit=1 {PYTHON} -m megatrace.demo --tp 2
     try:
         job = submit(script, tmp_path, "--megatrace=hang-timeout=20,on-hang=requeue", "-N2", "-n4", "--overcommit")
         # Slurm holds a requeued job back for two minutes; the test does not wait for that.
-        assert _wait_for(lambda: job_info(job).get("Restarts") == "1", timeout=180), job_info(job)
-        _wait_for(lambda: job_info(job).get("JobState") == "PENDING", timeout=30)
+        assert wait_for(lambda: job_info(job).get("Restarts") == "1", timeout=180), job_info(job)
+        wait_for(lambda: job_info(job).get("JobState") == "PENDING", timeout=30)
         _run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
         info = wait_job(job, timeout=240)
     finally:
