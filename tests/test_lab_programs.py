@@ -1,8 +1,9 @@
-"""A plain DDP script (tests/programs/) under `sbatch --megatrace` on the lab, a rank stopped from outside.
+"""Unmodified programs under `sbatch --megatrace` on the lab, a rank stopped from outside.
 
-Nothing of MegaTrace is in the script: the SPANK plugin traces it, the node agents notice that no
-rank makes progress, confirm it across nodes within the hang timeout, collect, and the report names
-the stopped rank. Without root (a developer machine) the lab fixture skips, unless CI is set.
+The programs: a plain DDP script (tests/programs/) and the demo's torch-API engines. Nothing of
+MegaTrace is in the script: the SPANK plugin traces it, the node agents notice that no rank makes
+progress, confirm it across nodes within the hang timeout, collect, and the report names the stopped
+rank. Without root (a developer machine) the lab fixture skips, unless CI is set.
 """
 
 from __future__ import annotations
@@ -34,11 +35,23 @@ def _warm_ring(job: str, node: str, rank: int, records: int = 60) -> Path | None
     return None
 
 
+# Each program as its srun task runs it (one task per node, rank 2 on n3): the plain DDP script, and the
+# demo's torch-API engines (DDP buckets, FSDP2, DTensor TP x DP, pipelining PP x DP) as `python -m megatrace.demo`.
+PROGRAMS = {
+    "ddp-script": f"{DDP} --iterations 1000000 --seconds 900",
+    "engine-ddp": "-m megatrace.demo --engine ddp --dp 4 --steps 100000",
+    "engine-fsdp": "-m megatrace.demo --engine fsdp --dp 4 --steps 100000",
+    "engine-tp": "-m megatrace.demo --engine tp --tp 2 --dp 2 --steps 100000",
+    "engine-pipeline": "-m megatrace.demo --engine pipeline --pp 2 --dp 2 --steps 100000",
+}
+
+
 @pytest.mark.slow
-def test_the_agents_name_a_ddp_rank_stopped_from_outside(lab, tmp_path):
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_the_agents_name_a_rank_stopped_from_outside(lab, tmp_path, program: str):
     script = f"""export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) OMP_NUM_THREADS=1
 srun -N4 -n4 bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID \\
-    exec {PYTHON} {DDP} --iterations 1000000 --seconds 900'
+    exec {PYTHON} {PROGRAMS[program]}'
 """
     job = submit(script, tmp_path, f"--megatrace=hang-timeout={HANG_TIMEOUT_S},on-hang=cancel", "-N4", "-n4",
                  "--time=10")
