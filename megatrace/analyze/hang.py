@@ -53,6 +53,8 @@ STALLED_OUTCOMES = ("stalled",)  # launcher / agent verdicts (procs.json "outcom
 # moment apart, so a rank read first seems to stop while the others go on. Only a long stop is a hang then.
 RUNNING_OUTCOMES = ("running",)
 RUNNING_MIN_STALL_NS = 30_000_000_000
+ENDED_TOGETHER_MIN_STALL_NS = 1_000_000_000  # killed as a whole: a stop this long is no call in flight (launchers
+#                                              declare a stall after seconds; a cut job's ranks stop for ms)
 STALL_MIN_NS = 5_000_000_000  # a live job silent everywhere for this long (and STALL_FACTOR x its usual gap) stalls
 GAP_WINDOW = 1000  # recent records of a rank used for its usual gap between calls
 TAIL = 64  # last records per rank read for what it waits in (and its last activity): a rank waits in one place;
@@ -394,7 +396,8 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
     Corroboration: a waiter's call failed (a timeout), the culprit crashed or exited, or the launcher /
     agent reported the job stalled. Otherwise the stop must be long against the usual gap between calls:
     ``STALL_FACTOR`` times it, or ``QUIET_FACTOR`` times it when no rank was still progressing; and at
-    least ``RUNNING_MIN_STALL_NS`` in a snapshot of a job that was still running or of one ended as a whole.
+    least ``RUNNING_MIN_STALL_NS`` in a snapshot of a job that was still running, and
+    ``ENDED_TOGETHER_MIN_STALL_NS`` in a job whose processes all ended together.
     """
     stalled = trace.facts.outcome in STALLED_OUTCOMES
     for root in roots:
@@ -409,10 +412,13 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
             root.confirmed = True
         elif root.silence_ns is not None:
             factor = QUIET_FACTOR if quiet else STALL_FACTOR
-            # a snapshot of a running job, or a job killed as a whole (a time limit, a cancel), was cut
-            # while it ran: a short stop then is work in flight, only a long one is a hang
-            cut = trace.facts.outcome in RUNNING_OUTCOMES or live.ended_together
-            floor = RUNNING_MIN_STALL_NS if cut else MIN_STALL_NS
+            # a snapshot of a running job is cut while it runs: only a long stop is a hang; a job whose
+            # processes all ended together (a time limit, a cancel, a launcher's kill of a stalled job) may
+            # have been cut while it ran too: a stop of milliseconds is work in flight then, not a hang
+            if trace.facts.outcome in RUNNING_OUTCOMES:
+                floor = RUNNING_MIN_STALL_NS
+            else:
+                floor = ENDED_TOGETHER_MIN_STALL_NS if live.ended_together else MIN_STALL_NS
             root.confirmed = root.silence_ns >= max(floor, factor * (root.usual_gap_ns or 0))
 
 
