@@ -124,6 +124,7 @@ class StragglerResult:
     impact_ns: dict[int, int] = field(default_factory=dict)  # straggler -> step time it costs (critical path)
     explained: dict[int, int] = field(default_factory=dict)  # slower rank -> the straggler it waits on (no p2p)
     notes: list[str] = field(default_factory=list)
+    long_lag_ns: int = 0  # a last arrival this far behind the median one is a long lag (bursts)
 
     def summary(self) -> dict[str, Any]:
         return {"steps": self.steps[:1] + self.steps[-1:], "step_ns": self.step_ns,
@@ -392,13 +393,13 @@ def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterati
 
 
 def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray, gap: np.ndarray,
-                 steps: list[int] | None, long_ns: int | None = 0) -> dict[int, tuple[int, int, int, int, int, int]]:
+                 steps: list[int] | None, long_ns: int | None) -> tuple[dict[int, tuple[int, ...]], int]:
     """Per rank: (lag caused as last arrival, part explained by its own compute, times last, instances entered,
-    times last by more than ``long_ns``, the lag of those). ``long_ns=None``: WHOLE_TRACE_LONG_LAG times the
-    median lag (and at least MIN_EXCESS_NS), for a trace without steps to measure a long lag by."""
+    times last by more than ``long_ns``, the lag of those); and ``long_ns``. ``long_ns=None``: WHOLE_TRACE_LONG_LAG
+    times the median lag (and at least MIN_EXCESS_NS), for a trace without steps to measure a long lag by."""
     got = _last_arrivals(trace, ix, c, it, te, gap, steps)
     if got is None:
-        return {}
+        return {}, long_ns or MIN_EXCESS_NS
     who, lag, own, rows = got
     if long_ns is None:
         long_ns = max(MIN_EXCESS_NS, int(WHOLE_TRACE_LONG_LAG * float(np.median(lag))))
@@ -413,7 +414,7 @@ def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iteration
     long_lag = np.bincount(who[long], weights=lag[long], minlength=world)
     for r in trace.ranks.tolist():
         out[r] = (int(caused[r]), int(owned[r]), int(times[r]), int(entered[r]), int(long_times[r]), int(long_lag[r]))
-    return out
+    return out, long_ns
 
 
 def judge_bursts(stats: dict[int, RankStats], run_ns: int) -> list[int]:
@@ -466,7 +467,8 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
             if r in stats:
                 stats[r].intervals, stats[r].intervals_slower = whole.intervals, whole.intervals_slower
                 stats[r].interval_ratio = whole.interval_ratio
-    lags = arrival_lags(trace, ix, c, it, te, gap, steps, long_ns=int(LONG_LAG_STEP * step_ns))
+    long_ns = int(LONG_LAG_STEP * step_ns)
+    lags, long_ns = arrival_lags(trace, ix, c, it, te, gap, steps, long_ns=long_ns)
     for r, (caused, own, times, entered, long_times, long_lag) in lags.items():
         if r in stats:
             s = stats[r]
@@ -480,6 +482,7 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
     if len(steps) < MIN_STEPS:
         notes.append(f"only {len(steps)} steady steps: too few to judge stragglers")
     return StragglerResult(steps, step_ns, stats, pairs, delay, flagged, slow_ranks, slow_links, notes=notes,
+                           long_lag_ns=long_ns,
                            explained=explained)
 
 
@@ -487,15 +490,15 @@ def _whole_trace_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it
                             tc: np.ndarray) -> StragglerResult:
     """No step could be told apart: compare the ranks call by call over the whole trace."""
     world = trace.world_size
-    stats = compare_calls(trace, it.roles, compute_gaps(trace, it.roles, te, tc))
+    gap = compute_gaps(trace, it.roles, te, tc)
+    stats = compare_calls(trace, it.roles, gap)
     if not any(s.intervals for s in stats.values()):
         return StragglerResult([], 0, stats, [], delay_matrix([], world), notes=["no complete step: nothing to compare"])
     done = tc > 0
     span = int(tc[done].max() - te[done].min()) if done.any() else 0
     flagged = judge(stats, span)
-    gap = compute_gaps(trace, it.roles, te, tc)
-    for r, (caused, own, times, entered, long_times, long_lag) in \
-            arrival_lags(trace, ix, c, it, te, gap, None, long_ns=None).items():
+    lags, long_ns = arrival_lags(trace, ix, c, it, te, gap, None, long_ns=None)
+    for r, (caused, own, times, entered, long_times, long_lag) in lags.items():
         if r in stats:
             s = stats[r]
             s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
@@ -503,7 +506,8 @@ def _whole_trace_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it
     flagged += [r for r in judge_bursts(stats, span) if r not in flagged]
     notes = ["no step could be told apart: ranks doing the same work compared call by call over the whole trace"]
     flagged, explained = _explain_neighbours(trace, stats, flagged, notes)
-    return StragglerResult([], span, stats, [], delay_matrix([], world), flagged, notes=notes, explained=explained)
+    return StragglerResult([], span, stats, [], delay_matrix([], world), flagged, notes=notes, explained=explained,
+                           long_lag_ns=long_ns)
 
 
 def _impact(ctx, result: StragglerResult) -> None:
@@ -547,11 +551,12 @@ def _straggler_finding(trace: TraceSet, res: StragglerResult, r: int) -> Finding
     arrivals = trace.completion_times == "arrivals"  # transfer times count as everyone's compute: a lower bound
     if s.bursty and not (s.excess_ns > 0 and s.relative >= MIN_EXCESS_REL):
         others = sum(res.ranks[q].long_lags for q in s.peers if q in res.ranks)
+        long = "a quarter step" if res.steps else f"{WHOLE_TRACE_LONG_LAG:g}x the median lag"
+        run_ns = res.step_ns * len(res.steps) if res.steps else res.step_ns  # whole trace: step_ns is its length
         verdict = (f"{rank_label(trace, r)} keeps the ranks doing the same work waiting in bursts: it arrived last "
-                   f"by more than a quarter step ({duration(LONG_LAG_STEP * res.step_ns)}) {s.long_lags} times, "
-                   f"{duration(s.long_lag_ns)} of waiting in all "
-                   f"({s.long_lag_ns / max(res.step_ns * len(res.steps), 1):.0%} of the steps' time); {peers} "
-                   f"together, {others} times")
+                   f"by more than {long} ({duration(res.long_lag_ns)}) {s.long_lags} times, "
+                   f"{duration(s.long_lag_ns)} of waiting in all ({s.long_lag_ns / max(run_ns, 1):.0%} of the "
+                   f"{'steps' if res.steps else 'trace'}' time); {peers} together, {others} times")
     else:
         verdict = (f"{rank_label(trace, r)} computes {'at least ' if arrivals else ''}{slower:.0%} slower than the "
                    f"ranks doing the same work ({duration(s.excess_ns)} more {per} than {peers})")
