@@ -417,6 +417,16 @@ def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iteration
     return out, long_ns
 
 
+def take_arrival_lags(stats: dict[int, RankStats], lags: dict[int, tuple[int, ...]], long_ns: int) -> int:
+    """Put :func:`arrival_lags`' figures into each rank's stats; returns ``long_ns``."""
+    for r, (caused, own, times, entered, long_times, long_lag) in lags.items():
+        if r in stats:
+            s = stats[r]
+            s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
+            s.long_lags, s.long_lag_ns = long_times, long_lag
+    return long_ns
+
+
 def judge_bursts(stats: dict[int, RankStats], run_ns: int) -> list[int]:
     """Flag the stragglers in bursts (see LONG_LAG_STEP), most waiting caused first; sets ``bursty``."""
     flagged = []
@@ -467,13 +477,7 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
             if r in stats:
                 stats[r].intervals, stats[r].intervals_slower = whole.intervals, whole.intervals_slower
                 stats[r].interval_ratio = whole.interval_ratio
-    long_ns = int(LONG_LAG_STEP * step_ns)
-    lags, long_ns = arrival_lags(trace, ix, c, it, te, gap, steps, long_ns=long_ns)
-    for r, (caused, own, times, entered, long_times, long_lag) in lags.items():
-        if r in stats:
-            s = stats[r]
-            s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
-            s.long_lags, s.long_lag_ns = long_times, long_lag
+    long_ns = take_arrival_lags(stats, *arrival_lags(trace, ix, c, it, te, gap, steps, int(LONG_LAG_STEP * step_ns)))
     notes: list[str] = []
     by_compute = judge(stats, step_ns)
     bursts = [r for r in judge_bursts(stats, int(step_ns * len(steps))) if r not in by_compute]
@@ -497,12 +501,7 @@ def _whole_trace_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it
     done = tc > 0
     span = int(tc[done].max() - te[done].min()) if done.any() else 0
     flagged = judge(stats, span)
-    lags, long_ns = arrival_lags(trace, ix, c, it, te, gap, None, long_ns=None)
-    for r, (caused, own, times, entered, long_times, long_lag) in lags.items():
-        if r in stats:
-            s = stats[r]
-            s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
-            s.long_lags, s.long_lag_ns = long_times, long_lag
+    long_ns = take_arrival_lags(stats, *arrival_lags(trace, ix, c, it, te, gap, None, None))
     flagged += [r for r in judge_bursts(stats, span) if r not in flagged]
     notes = ["no step could be told apart: ranks doing the same work compared call by call over the whole trace"]
     flagged, explained = _explain_neighbours(trace, stats, flagged, notes)
