@@ -9,7 +9,7 @@ from analysis_factory import TraceBuilder
 from megatrace.analyze.engine import AnalysisResult, analyze
 from megatrace.analyze.findings import Kind, Severity
 from megatrace.config import Layout
-from megatrace.trace.ring_format import Op
+from megatrace.trace.ring_format import Flag, Op
 
 KILLED = {"exit_code": None, "signal": "SIGTERM", "killed_by_launcher": True}
 
@@ -73,6 +73,22 @@ def test_everyone_entered_and_nobody_completed_is_a_communication_hang(tmp_path:
     assert f.verdict.startswith("communication hang in TP all_reduce #6 (group [2, 3]) on host b: all 2 members "
                                 "entered and none completed")
     assert f.data["chain"][-1] == "every member entered it and none completed"
+
+
+def test_a_collective_entered_behind_a_stuck_call_waits_for_that_call(tmp_path: Path) -> None:
+    """Rank 0 waits in a send to the stopped rank 2; its launch of the next TP all_reduce is queued behind that
+    send (as an importer of enqueue-only logs records it). Every member "entered" the all_reduce, but it is no
+    communication hang: rank 1 waits in it for rank 0, and rank 0 for rank 2."""
+    b, g = pipeline4()
+    b.pending(0, Op.SEND, g["pp02"], at=1000.0, peer=2)
+    b.collective(g["tp01"], at=1010.0, stuck_all=True, override={0: {"flags": int(Flag.ASYNC)}})
+    b.collective(g["tp23"], at=1000.0, skip=(2,), stuck=(3,))
+    b.write(tmp_path)
+    result = analyze(tmp_path)
+    f = top(result)
+    assert f.kind == Kind.COMPUTE_HANG and f.subject.rank == 2, f.verdict
+    assert "rank 1 waits in TP all_reduce #6 (group [0, 1]) for rank 0" in f.data["chain"], f.data["chain"]
+    assert Kind.COMM_HANG not in [x.kind for x in result.findings]
 
 
 def test_a_crashed_process_is_named_from_procs_json_and_the_launcher_kill_is_not_a_crash(tmp_path: Path) -> None:

@@ -47,6 +47,10 @@ from megatrace.trace.ring_format import Flag, Op, State
 
 STALL_FACTOR = 4.0  # a stop is a hang once it lasts this many times the usual gap between calls (p95) ...
 QUIET_FACTOR = 2.0  # ... or twice that gap when the whole job is quiet (every rank blocked or stopped) ...
+WHOLE_JOB_FACTOR = 1.0  # ... or once it exceeds that gap in a log of enqueue times only where the whole job waits
+# for it: such a log ends at its last enqueue, when the waiters had all blocked, so the stop measured is a lower
+# bound of how long it lasted (often a few gaps, whatever the hang's length), and the whole job waiting on one
+# rank is the evidence (a cut of a running job leaves several ranks computing, each with its own waiters)
 MIN_STALL_NS = 5_000_000  # ... and in both cases at least 5 ms: below that it is scheduling noise
 STALLED_OUTCOMES = ("stalled",)  # launcher / agent verdicts (procs.json "outcome") that confirm a stop
 # A snapshot of a job that was still running (collected before its time limit, say): nodes are read a
@@ -324,6 +328,9 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     pending_insts = np.unique(ix.inst[pending][ix.inst[pending] >= 0])
     details = instance_details(trace, ix, pending_insts)
     out_set = set(outstanding.tolist())
+    first_wait: dict[int, int] = {}  # rank -> the oldest row it waits in
+    for row in sorted(pending.tolist(), reverse=True):
+        first_wait[int(rec.rank[row])] = row
     waits: dict[int, list[Wait]] = {}
     for row in pending.tolist():
         rank = int(rec.rank[row])
@@ -339,6 +346,8 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
                 for member in _named_absentees(trace, details[i].never_entered):
                     graph.add_edge(target, member)
                 for member in culprits.intersection(details[i].stuck):  # entered, then stopped running inside it
+                    graph.add_edge(target, member)
+                for member in _queued_behind(details[i], first_wait, culprits):
                     graph.add_edge(target, member)
         elif p >= 0:
             is_send = rec.op[row] == Op.SEND
@@ -372,6 +381,12 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     stall = None if roots else _stall(trace, status, last_activity, end, te, tc, live)
     return HangAnalysis(end, False, status, last_activity, last_row, waits, graph, roots, details, progressing,
                         t_enqueue=te, liveness=live, stall=stall)
+
+
+def _queued_behind(detail: InstanceDetail, first_wait: dict[int, int], culprits: set[int]) -> list[int]:
+    """Members that entered the instance only behind an older call of their own that never completed (its
+    launch queued on the member's stream after the call the member waits in): the instance waits for them."""
+    return [r for r in detail.stuck if r not in culprits and first_wait.get(r, detail.rows[r]) < detail.rows[r]]
 
 
 def _stall(trace: TraceSet, status: dict[int, RankStatus], last_activity: dict[int, int], end: int,
@@ -412,6 +427,8 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
             root.confirmed = True
         elif root.silence_ns is not None:
             factor = QUIET_FACTOR if quiet else STALL_FACTOR
+            if quiet and trace.completion_times == "arrivals" and _whole_job_waits(trace, root):
+                factor = WHOLE_JOB_FACTOR
             # a snapshot of a running job is cut while it runs: only a long stop is a hang; a job whose
             # processes all ended together (a time limit, a cancel, a launcher's kill of a stalled job) may
             # have been cut while it ran too: a stop of milliseconds is work in flight then, not a hang
@@ -420,6 +437,12 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
             else:
                 floor = ENDED_TOGETHER_MIN_STALL_NS if live.ended_together else MIN_STALL_NS
             root.confirmed = root.silence_ns >= max(floor, factor * (root.usual_gap_ns or 0))
+
+
+def _whole_job_waits(trace: TraceSet, root: RootCause) -> bool:
+    """Every rank with a trace (but those whose logs ended early) waits for this root, directly or not."""
+    waiting = set(root.waiters) | set(root.ranks)
+    return all(i.rank in waiting for i in trace.rank_info if i.n_records and not i.ended_early)
 
 
 def _roots(trace: TraceSet, m: MatchResult, graph: nx.DiGraph, waits: dict[int, list[Wait]],

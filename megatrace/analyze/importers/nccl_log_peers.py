@@ -65,10 +65,13 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
     candidates, and so on), and the fewest pairs that would break a channel's order are undone. On the demo's
     TP2 x PP4 runs this gets 98-100% of the peers right; the rest are two neighbouring calls swapped.
 
-    A call made while a candidate's log does not cover it (the candidate's log starts later, or ended early:
-    ``ended``, its later dumps are missing, told from the collectives) is not paired on timing: its partner
-    may be that candidate, unobserved, and a neighbour's call of similar timing and size is not evidence
-    (under load, timings spread and such a call would take the place of the real partner's).
+    A call is paired only with a call of a rank whose log covers its time (a log starts later when its ring
+    wrapped, and ends early when its later dumps are missing: ``ended``, told from the collectives): the
+    partner of a call outside a candidate's log may be that candidate, unobserved. A call of a rank one of
+    whose candidates is unobserved at that time still pairs with a candidate that is observed: excluding it
+    would leave that candidate's real partner out and let a neighbour's call of similar timing and size take
+    its place (a pipeline whose first stage lost its last dump then had every later transfer of its second
+    stage misassigned, and the hang was blamed on the wrong stage).
 
     A call left without a partner (its partner fell outside the other rank's log, or was never posted: what a
     hang leaves) gets its peer by elimination among its candidates, each step applied while more than one
@@ -105,11 +108,9 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
             k = stages.index(rank)
             return [stages[j] for j in (k - 1, k + 1) if 0 <= j < len(stages)]
 
-        seen = {r: (max((first_t.get(b, math.inf) for b in candidates(r)), default=-math.inf),
-                    min((log_end.get(b, math.inf) for b in candidates(r)), default=math.inf)) for r in by_rank}
-
-        def unseen(rank: int, t: float, seen=seen) -> bool:  # noqa: ANN001 - (bound per communicator)
-            return t < seen[rank][0] - P2P_SKEW_NS or t > seen[rank][1] + P2P_SKEW_NS
+        def unseen(rank: int, t: float) -> bool:
+            """The rank's log does not cover time ``t`` (it starts later or ended early)."""
+            return t < first_t.get(rank, math.inf) - P2P_SKEW_NS or t > log_end.get(rank, math.inf) + P2P_SKEW_NS
 
         matched = _match_p2p(rank_calls, by_rank, ends, candidates, unseen)
         last_t = {r: rank_calls[r][rows[-1]][0] for r, rows in by_rank.items()}
@@ -153,9 +154,8 @@ P2P_SKEW_NS = 200_000  # clock difference allowed between two hosts' logs when p
 def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]], ends: dict[int, list[float]],
                candidates, unseen) -> dict[tuple[int, int], tuple[int, int]]:  # noqa: ANN001 - (rank -> ranks)
     """(rank, row) -> (peer, peer's row) for the send/recv pairs of one communicator; see :func:`p2p_partners`.
-    ``unseen(rank, t)``: a candidate of the rank logged nothing at time ``t`` (its log starts later or ends
-    earlier, or is missing): a call of that rank then is not paired on timing (its partner may be the unseen
-    one), nor is a call paired with it."""
+    ``unseen(rank, t)``: the rank's log does not cover time ``t`` (it starts later or ends earlier): a call at
+    ``t`` is not paired with that rank."""
     import bisect
 
     recvs: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}  # rank -> (enqueue, moved-on, rows)
@@ -173,14 +173,14 @@ def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]]
             dcalls = rank_calls[dst]
             for i in rows:
                 c = calls[i]
-                if c[1] != "Send" or unseen(rank, c[0]):
+                if c[1] != "Send" or unseen(dst, c[0]):
                     continue
                 lo = int(np.searchsorted(e_r, c[0] - P2P_SKEW_NS, "left"))
                 hi = int(np.searchsorted(t_r, end[i] + P2P_SKEW_NS, "right"))
                 for k in range(lo, hi):
                     j = r_rows[k]
                     if dcalls[j][2] == c[2] and t_r[k] <= end[i] + P2P_SKEW_NS and e_r[k] >= c[0] - P2P_SKEW_NS \
-                            and not unseen(dst, dcalls[j][0]):
+                            and not unseen(rank, dcalls[j][0]):
                         at = max(c[0], dcalls[j][0])
                         slack = _slack(e_r[k] - at)
                         edges.append((slack, at, rank, i, dst, j))
