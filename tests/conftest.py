@@ -34,3 +34,19 @@ def lab() -> dict:
     status = json.loads(out)
     assert status["up"] and len(status["nodes"]) == 4, status
     return status
+
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """One last line: what was skipped, and why (each reason says how to get those tests to run)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if not skipped:
+        return
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    detail = "; ".join(f"{n} because {why}" for why, n in sorted(reasons.items(), key=lambda x: -x[1]))
+    reporter.write_line(f"megatrace: {len(skipped)} skipped: {detail}", yellow=True)

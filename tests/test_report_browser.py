@@ -57,7 +57,7 @@ def chromium_binary() -> str | None:
 
 def require_chromium() -> str:
     binary = chromium_binary()
-    missing = None if binary else "chromium is not installed (Debian's chromium package: see .ci/run)"
+    missing = None if binary else "chromium is not installed (apt-get install chromium, as .ci/run does)"
     try:
         import websocket  # noqa: F401  (the test extra's websocket-client)
     except ImportError:

@@ -782,6 +782,27 @@ def test_the_agents_catch_the_demo_hang_report_it_within_90_s_and_cancel_the_job
     assert not agents_of(job)
 
 
+@pytest.mark.slow
+def test_the_readmes_srun_line_runs_in_the_lab_as_written(lab, tmp_path):
+    """No MASTER_ADDR in the job: the demo takes the first node's name, which the lab resolves to this host,
+    as a job written for a real cluster does; the injected hang is reported within hang timeout + 60 s."""
+    script = "srun -n 8 python -m megatrace.demo --tp 2 --pp 2 --dp 2 --steps 12 --fault hang:rank=4,step=5\n"
+    env = _clean_env(PATH=f"{Path(PYTHON).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    job = submit(script, tmp_path, "--megatrace=hang-timeout=30,on-hang=cancel", "-N4", "-n8", "--overcommit",
+                 "-t", "10", env=env)
+    info = wait_job(job, timeout=400)
+    text = output(tmp_path, job)
+    assert "cannot be retrieved" not in text and "does not resolve" not in text, text[-2000:]
+    assert info["JobState"] == "CANCELLED", text[-2000:]
+    step = tmp_path / f"megatrace-{job}" / "step-0"
+    top = _top_finding(step)
+    assert top["severity"] == "critical" and top["subject"]["rank"] == 4 and top["subject"]["host"] == "n3", top
+    onset = _last_activity_wall_s(step / "rings" / "rank-00004.ring")
+    assert (step / "report.html").stat().st_mtime - onset <= 30 + 60
+
+
 def _demo_job(tmp_path: Path, fault: str, option: str, steps: int, *args: str, kill_on_bad_exit: bool = True) -> str:
     """Submit the demo (4 nodes, 8 ranks) with ``fault`` ('' for none); returns the job id."""
     fault_arg = f"--fault {fault}" if fault else ""

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import megatrace
 from megatrace.config import Layout
+from megatrace.demo import rendezvous
 from megatrace.demo.env import DistEnv
 from megatrace.demo.faults import FaultSpec
 from megatrace.demo.inject import COLLECTIVE_OPS, FaultInjector
@@ -102,6 +103,7 @@ class Session:
     markers: Markers
     comm_timeout_s: float
     commhang_ops: tuple[str, ...] = COLLECTIVE_OPS  # the c10d operators a commhang fault stops in
+    rendezvous_timeout_s: float = rendezvous.DEFAULT_TIMEOUT_S
     injector: FaultInjector = field(init=False)
     name: str = field(init=False)  # rank-NNNNN, the stem of this rank's log, heartbeat and metrics files
     heartbeat: Path = field(init=False)
@@ -130,7 +132,8 @@ class Session:
         os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port), RANK=str(env.rank),
                           WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank))
         self.injector.install()
-        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=self.timeout)
+        store = rendezvous.connect(env, self.rendezvous_timeout_s, self.timeout)
+        dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout)
         if os.environ.get(FR_DUMP_ENV):
             start_fr_dumps(Path(os.environ[FR_DUMP_ENV]), env.rank)
 

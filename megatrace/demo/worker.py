@@ -19,6 +19,8 @@ from megatrace.demo.engines import DEFAULT_ENGINE, ENGINES, check_engine_fault, 
 from megatrace.demo.env import DistEnv, EnvError, resolve_env
 from megatrace.demo.faults import FaultError, FaultSpec, parse_fault, validate_faults, write_fault_json
 from megatrace.demo.inject import COLLECTIVE_OPS, P2P_OPS
+from megatrace.demo.rendezvous import DEFAULT_TIMEOUT_S as DEFAULT_RENDEZVOUS_S
+from megatrace.demo.rendezvous import RendezvousError
 from megatrace.demo.runtime import Markers, Session
 from megatrace.schedule import DP_MODES
 
@@ -43,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fault", action="append", default=[], metavar="SPEC", help="see megatrace.demo.faults")
     p.add_argument("--markers", action="store_true", help="call megatrace.step() / megatrace.phase()")
     p.add_argument("--comm-timeout", type=float, default=1800.0, help="gloo timeout in seconds")
+    p.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_RENDEZVOUS_S, metavar="SECONDS",
+                   help="give up reaching MASTER_ADDR:MASTER_PORT after this long (a name that does not resolve: "
+                        f"at once) [default: {DEFAULT_RENDEZVOUS_S:g}]")
     p.add_argument("-o", "--out", default=None, help="output directory [default: megatrace-demo-<job id>]")
     return p.parse_args(argv)
 
@@ -75,5 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = ENGINES[args.engine]
     session = Session(env, layout, faults, out, Markers(args.markers), args.comm_timeout,
-                      COLLECTIVE_OPS + P2P_OPS if engine.point_to_point else COLLECTIVE_OPS)
-    return engine.trainer()(session, args)
+                      COLLECTIVE_OPS + P2P_OPS if engine.point_to_point else COLLECTIVE_OPS,
+                      rendezvous_timeout_s=args.rendezvous_timeout)
+    try:
+        return engine.trainer()(session, args)
+    except RendezvousError as exc:
+        print(f"megatrace demo: error: {exc}", file=sys.stderr)
+        return 3

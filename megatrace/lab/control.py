@@ -8,7 +8,7 @@ from typing import Callable
 
 from megatrace.lab import LabError
 from megatrace.lab import daemons as dm
-from megatrace.lab import install, slurmconf
+from megatrace.lab import hosts, install, slurmconf
 from megatrace.lab.paths import LabPaths
 from megatrace.lab.slurmconf import LabSpec
 
@@ -34,6 +34,7 @@ def up(spec: LabSpec, paths: LabPaths, log: Log, skip_install: bool = False) -> 
     state["nodes"] = spec.nodes
     state["root"] = str(paths.root)
     dm.save_state(paths, state)
+    _resolve_node_names(spec, log)
     dm.start_munge(paths, state, log)
     ctld_was_up = any(d.name == "slurmctld" and d.alive() for d in dm.recorded(state))
     dm.start_slurm(spec, paths, state, log)
@@ -46,7 +47,23 @@ def up(spec: LabSpec, paths: LabPaths, log: Log, skip_install: bool = False) -> 
 def down(paths: LabPaths, log: Log) -> list[str]:
     """Stop what `up` started (by recorded pid), nothing else."""
     _require_root("down")
-    return dm.stop_all(paths, dm.load_state(paths), log)
+    stopped = dm.stop_all(paths, dm.load_state(paths), log)
+    try:
+        if hosts.remove_nodes():
+            log(f"removed the lab's node names from {hosts.HOSTS}")
+    except OSError as exc:
+        log(f"warning: could not remove the lab's node names from {hosts.HOSTS}: {exc}")
+    return stopped
+
+
+def _resolve_node_names(spec: LabSpec, log: Log) -> None:
+    """Map the node names to this host, so that jobs that take addresses from them run unchanged."""
+    try:
+        mapped = hosts.add_nodes(spec.node_names)
+    except OSError as exc:
+        raise LabError(f"cannot map the lab's node names to this host in {hosts.HOSTS}: {exc}") from None
+    if mapped:
+        log(f"node names {', '.join(mapped)} resolve to {hosts.LAB_ADDR} ({hosts.HOSTS})")
 
 
 def status(paths: LabPaths) -> dict:
