@@ -328,9 +328,10 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     pending_insts = np.unique(ix.inst[pending][ix.inst[pending] >= 0])
     details = instance_details(trace, ix, pending_insts)
     out_set = set(outstanding.tolist())
-    first_wait: dict[int, int] = {}  # rank -> the oldest row it waits in
+    first_wait: dict[int, int] = {}  # rank -> the oldest row it waits in, when that call is synchronous
     for row in sorted(pending.tolist(), reverse=True):
         first_wait[int(rec.rank[row])] = row
+    first_wait = {r: row for r, row in first_wait.items() if not rec.flags[row] & Flag.ASYNC}
     waits: dict[int, list[Wait]] = {}
     for row in pending.tolist():
         rank = int(rec.rank[row])
@@ -384,8 +385,10 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
 
 
 def _queued_behind(detail: InstanceDetail, first_wait: dict[int, int], culprits: set[int]) -> list[int]:
-    """Members that entered the instance only behind an older call of their own that never completed (its
-    launch queued on the member's stream after the call the member waits in): the instance waits for them."""
+    """Members that entered the instance only behind an older synchronous call of their own that never
+    completed (the member blocks in that call; its later entries are queued behind it, as an importer of
+    enqueue-only logs records them): the instance waits for them. (Behind an older asynchronous call, as on
+    NCCL's streams of other communicators, the instance may run on its own and is judged by itself.)"""
     return [r for r in detail.stuck if r not in culprits and first_wait.get(r, detail.rows[r]) < detail.rows[r]]
 
 
