@@ -19,13 +19,14 @@ import pytest
 from megatrace.collect.agent import (DONE, EXITED, FINISHED, HEALTHY, PROGRESSING, STALLED, SUSPECT, Agent,
                                      AgentConfig, AgentStatus, RankObservation, RankVerdict, assess_rank,
                                      default_collect_cmd, default_state_dir, job_confirmed, node_pattern,
-                                     node_state, pid_alive, request_trigger, scan)
+                                     node_state, pid_alive, request_trigger, scan, StepsAgent)
 
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
 S = 1_000_000_000
 
-# A real writer: 20 ms all-reduces (group 1) until, in mode "hang", record N+1 is entered and never completes.
+# A real writer: 20 ms all-reduces (group 1) until, in mode "hang", record N+1 is entered and never completes
+# (in mode "finish", the ring is closed after N records and the writer exits).
 WRITER = r"""
 import os, sys, time
 from megatrace.trace.ring_writer import RingIdentity, RingWriter
@@ -37,6 +38,9 @@ print("ready", flush=True)
 seq = 0
 while True:
     seq += 1
+    if mode == "finish" and seq > n:
+        w.close()
+        sys.exit(0)
     if mode == "hang" and seq > n:
         w.begin(1, 1, seq, 4)
         print("hung", time.monotonic_ns(), flush=True)
@@ -197,6 +201,38 @@ def test_one_hung_node_beside_a_healthy_one_is_not_a_job_hang(writers: Writers, 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+@pytest.mark.slow
+def test_every_step_is_watched_and_a_hang_of_the_second_is_collected_into_its_folder(writers: Writers,
+                                                                                     tmp_path: Path) -> None:
+    """A short setup step (step-0) runs and ends, then the training step (step-1) starts after the agent and
+    hangs: its hang is confirmed and collected with step-1's rings into <job dir>/step-1; step-0's job-wide
+    trigger request is no business of a finished step."""
+    node = tmp_path / "node"
+    (node / "step-0").mkdir(parents=True)
+    setup = writers.start(node / "step-0", 0, 1, "finish", n=20)
+    log: list[str] = []
+    ran = tmp_path / "collector-ran"
+    cmd = [sys.executable, "-c", f"import sys; open({str(ran)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')",
+           "{trigger}"]
+    agent = StepsAgent(AgentConfig(state_dir=str(tmp_path / "state"), ring_dir=None, node="n1", job_id="42",
+                                   job_dir=str(tmp_path), hang_timeout_s=1.0, poll_s=0.2, collect_cmd=cmd),
+                       str(node), str(tmp_path / "job"), log=log.append)
+    assert agent.poll() == HEALTHY and list(agent.steps) == ["step-0"]
+    setup.wait(timeout=30)  # its writer closed its ring: the step finished
+    writers.start(node / "step-1", 0, 1, "hang", n=3)
+    confirmed = time.monotonic() + 15
+    while not ran.exists() and time.monotonic() < confirmed:
+        agent.poll()
+        time.sleep(0.2)
+    assert list(agent.steps) == ["step-0", "step-1"], log
+    assert ran.read_text().split() == ["hang"], log
+    step1 = agent.steps["step-1"].cfg
+    assert step1.ring_dir == str(node / "step-1") and step1.out_dir == str(tmp_path / "job" / "step-1")
+    assert (tmp_path / "state" / "step-1" / "hang.json").exists()
+    assert not (tmp_path / "state" / "step-0" / "hang.json").exists()
+    assert any("step-0 finished: no longer watched" in m for m in log), log
 
 
 @pytest.mark.slow

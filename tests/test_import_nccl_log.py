@@ -123,7 +123,9 @@ def test_the_hung_rank_is_named_from_nccl_logs(demo: tuple[TraceSet, int], tmp_p
     assert got.completion_times == "arrivals"  # enqueue times only: each call completes at its last arrival
     assert "critical_path" in result.results["skipped_stages"]  # (transfer times are unknown)
     assert "stragglers" not in result.results["skipped_stages"]
-    assert not [f for f in result.findings if f.kind == Kind.STRAGGLER]  # the hung rank computed at full speed
+    # the hung rank computed at full speed: no straggler (on an overloaded machine another rank may really be
+    # slowed by the scheduler, and be named: that is no mistake of the analysis)
+    assert culprit not in [f.subject.rank for f in result.findings if f.kind == Kind.STRAGGLER]
     top = result.findings[0]
     assert top.kind == Kind.COMPUTE_HANG, top.verdict
     assert top.subject.rank == culprit, top.verdict

@@ -803,6 +803,26 @@ def test_the_readmes_srun_line_runs_in_the_lab_as_written(lab, tmp_path):
     assert (step / "report.html").stat().st_mtime - onset <= 30 + 60
 
 
+@pytest.mark.slow
+def test_a_hang_in_the_training_step_after_a_setup_step_is_reported_in_its_folder(lab, tmp_path):
+    """The common batch script: a short traced setup step, then training as the second step, which hangs."""
+    script = f"""export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) OMP_NUM_THREADS=1
+srun -N4 -n8 --overcommit {PYTHON} -c 'import torch.distributed'
+srun -N4 -n8 --overcommit {PYTHON} -m megatrace.demo --tp 2 --pp 2 --dp 2 --steps 12 \\
+    --fault hang:rank=4,step=5 -o "$MEGATRACE_OUT_DIR/step-1"
+"""
+    job = submit(script, tmp_path, "--megatrace=hang-timeout=30,on-hang=cancel", "-N4", "-n8", "--overcommit",
+                 "-t", "10")
+    info = wait_job(job, timeout=400)
+    assert info["JobState"] == "CANCELLED", output(tmp_path, job)[-2000:]
+    step = tmp_path / f"megatrace-{job}" / "step-1"
+    assert json.loads((step / "collection.json").read_text())["trigger"]["reason"] == "hang"
+    top = _top_finding(step)
+    assert top["severity"] == "critical" and top["subject"]["rank"] == 4 and top["subject"]["host"] == "n3", top
+    onset = _last_activity_wall_s(step / "rings" / "rank-00004.ring")
+    assert (step / "report.html").stat().st_mtime - onset <= 30 + 60
+
+
 def _demo_job(tmp_path: Path, fault: str, option: str, steps: int, *args: str, kill_on_bad_exit: bool = True) -> str:
     """Submit the demo (4 nodes, 8 ranks) with ``fault`` ('' for none); returns the job id."""
     fault_arg = f"--fault {fault}" if fault else ""

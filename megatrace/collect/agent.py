@@ -40,11 +40,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -521,6 +522,66 @@ class Agent:
         return 0
 
 
+STEP_DIR_RE = re.compile(r"step-[A-Za-z0-9_.-]{1,64}")  # the plugin's step-<SLURM_STEP_ID> ring directories
+STEP_DONE_POLLS = 3  # a step whose ranks all finished for this many polls stops being watched
+
+
+class StepsAgent(Agent):
+    """One node's watchdog over every step of the job (``--steps-dir``).
+
+    Each ``step-<s>`` directory of ``steps_dir`` gets its own :class:`Agent` as soon as it appears: its
+    rings, its meeting place ``<state-dir>/step-<s>`` (a step may run on some of the job's nodes only), its
+    bundle and report ``<steps_out>/step-<s>``. The job's triggers (``<state-dir>/triggers``, ``USR1``)
+    reach every step still watched; a step whose ranks all finished stops being watched. So the training
+    step after a short setup step is watched as the first one is.
+    """
+
+    def __init__(self, cfg: AgentConfig, steps_dir: str, steps_out: str,
+                 log: Callable[[str], None] = lambda m: None) -> None:
+        super().__init__(cfg, log)
+        self.steps_dir, self.steps_out = steps_dir, steps_out
+        self.steps: dict[str, Agent] = {}
+        self.done_polls: dict[str, int] = {}
+
+    def _discover(self) -> None:
+        try:
+            dfd = safefs.open_dir(self.steps_dir)
+        except OSError:
+            return  # not made yet (the first task of the job makes it)
+        try:
+            if os.fstat(dfd).st_uid != self.job_uid:
+                return  # not the job's user's own: nothing in it is watched
+            names = [n for n in safefs.list_dir(dfd) if STEP_DIR_RE.fullmatch(n) and n not in self.steps]
+        finally:
+            os.close(dfd)
+        for name in sorted(names):
+            cfg = replace(self.cfg, ring_dir=os.path.join(self.steps_dir, name),
+                          state_dir=os.path.join(self.cfg.state_dir, name),
+                          out_dir=os.path.join(self.steps_out, name), exit_when_done=False)
+            step = Agent(cfg, self.log)
+            step.triggers = self.triggers  # the job's requests reach every step
+            self.steps[name] = step
+            self.log(f"agent {cfg.node}: watching {name} ({cfg.ring_dir})")
+
+    def poll(self) -> str:
+        self._discover()
+        forwarded, self.requested = self.requested, []
+        states = []
+        for name, step in self.steps.items():
+            if self.done_polls.get(name, 0) >= STEP_DONE_POLLS:
+                continue
+            step.requested += forwarded
+            state = step.poll()
+            self.done_polls[name] = self.done_polls.get(name, 0) + 1 if state == DONE else 0
+            if self.done_polls[name] == STEP_DONE_POLLS:
+                self.log(f"agent {self.cfg.node}: {name} finished: no longer watched")
+            states.append(state)
+        for state in (SUSPECT, HEALTHY, DONE):
+            if state in states:
+                return state
+        return NO_RANKS
+
+
 def _sleep(seconds: float, wake: Callable[[], bool]) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end and not wake():
@@ -528,8 +589,6 @@ def _sleep(seconds: float, wake: Callable[[], bool]) -> None:
 
 
 def _safe(node: str) -> str:
-    import re
-
     return re.sub(r"[^A-Za-z0-9._-]", "_", node)[:128] or "_"
 
 

@@ -164,6 +164,13 @@ Signals: USR1 = collect now (trigger timelimit); TERM/INT = stop watching.
 @click.option("--ring-dir", help="This node's trace directory [default: $MEGATRACE_DIR when it holds rings, "
               "and every /dev/shm/megatrace-<uid>/<job>[.<step>] of this user with rings, looked up on every "
               "poll]. Only rings whose header names --job-id (when given) are watched.")
+@click.option("--steps-dir", type=click.Path(file_okay=False),
+              help="Instead of --ring-dir: this node's directory of the job's step-<s> ring directories (the "
+                   "SPANK plugin's); every step is watched from the moment its directory appears, each with its "
+                   "own confirmation and bundle (--steps-out/step-<s>), until its ranks have all finished.")
+@click.option("--steps-out", type=click.Path(file_okay=False),
+              help="With --steps-dir: step <s>'s collections write their bundle into <steps-out>/step-<s> "
+                   "[default: --job-dir].")
 @click.option("--node", envvar="MEGATRACE_NODE_NAME", show_envvar=True,
               help="This node's name [default: SLURMD_NODENAME, else the host name].")
 @click.option("--job-id", envvar=["MEGATRACE_JOB_ID", "SLURM_JOB_ID"], show_envvar=True,
@@ -198,7 +205,7 @@ Signals: USR1 = collect now (trigger timelimit); TERM/INT = stop watching.
 @click.option("--exit-when-done/--keep-running", default=None,
               help="Stop once every ring of this node was closed by its writer [default: keep running under "
                    "Slurm, where a job may run several training steps and the agent ends with the job].")
-def agent(ring_dir: str | None, node: str | None, job_id: str | None, job_dir: str, state_dir: str | None,
+def agent(ring_dir: str | None, steps_dir: str | None, steps_out: str | None, node: str | None, job_id: str | None, job_dir: str, state_dir: str | None,
           out: str | None, timelimit_lead: float, hang_timeout: float, poll: float, on_hang: str,
           collect_cmd: str | None, request: str | None,
           nodes: str | None, once: bool, max_runtime: float | None, exit_when_done: bool | None) -> None:
@@ -211,12 +218,17 @@ def agent(ring_dir: str | None, node: str | None, job_id: str | None, job_dir: s
     import shlex
 
     from megatrace.collect import safefs
-    from megatrace.collect.agent import Agent, AgentConfig, default_state_dir, request_trigger
+    from megatrace.collect.agent import Agent, AgentConfig, StepsAgent, default_state_dir, request_trigger
     from megatrace.collect.node import node_name
 
     job = job_id or "local"
     if not os.path.isdir(job_dir):
         raise CollectUsageError(f"job directory {job_dir} does not exist")
+    if steps_dir and (ring_dir or out):
+        raise CollectUsageError("--steps-dir watches every step-<s> of a directory: give --steps-out for the "
+                                "bundles, not --ring-dir or --out")
+    if steps_out and not steps_dir:
+        raise CollectUsageError("--steps-out goes with --steps-dir")
     owner = safefs.owner_of(job_dir) if os.geteuid() == 0 else None
     state = state_dir or default_state_dir(job_dir, job)
     if request:
@@ -234,14 +246,19 @@ def agent(ring_dir: str | None, node: str | None, job_id: str | None, job_dir: s
                       nodes=_expected(nodes), out_dir=os.path.abspath(out) if out else None,
                       timelimit_lead_s=timelimit_lead or None, only_job=job_id is not None)
     try:
-        watcher = Agent(cfg, log=lambda msg: click.echo(msg, err=True))
+        if steps_dir:
+            watcher = StepsAgent(cfg, os.path.abspath(steps_dir), os.path.abspath(steps_out or job_dir),
+                                 log=lambda msg: click.echo(msg, err=True))
+        else:
+            watcher = Agent(cfg, log=lambda msg: click.echo(msg, err=True))
     except OSError as exc:
         raise CollectUsageError(f"cannot use the state directory {state}: {exc.strerror or exc}") from None
     if once:
         click.echo(json.dumps({"node": cfg.node, "state": watcher.poll()}))
         return
     watcher.install_signals()
-    click.echo(f"agent {cfg.node}: watching {cfg.ring_dir} (hang timeout {hang_timeout:g} s, poll {poll:g} s); "
+    what = f"every step-<s> of {steps_dir}" if steps_dir else cfg.ring_dir
+    click.echo(f"agent {cfg.node}: watching {what} (hang timeout {hang_timeout:g} s, poll {poll:g} s); "
                f"state in {state}", err=True)
     watcher.run()
 

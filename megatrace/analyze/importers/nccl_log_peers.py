@@ -58,8 +58,9 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
     or take :data:`P2P_SKEW_NS` of clock difference between hosts (a send that completes before its receive
     is posted, as small messages may, and whose rank then moved on, is not paired: see below). Candidate pairs
     are taken greedily, the one whose receiving rank stayed the shortest in its group after the transfer
-    could start first (a receive completes once its send is posted, and its rank then moves on), each call at
-    most once, keeping every channel first-in first-out (NCCL matches the k-th send a -> b with the k-th
+    could start first (a receive completes once its send is posted, and its rank then moves on; of equally
+    good ones, a pair between two batches that already exchanged one: a 1F1B step's batch sends to and
+    receives from the same neighbour), each call at most once, keeping every channel first-in first-out (NCCL matches the k-th send a -> b with the k-th
     receive on b from a). A greedy choice can take the partner of another call: augmenting paths then pair as
     many calls as possible (a call left alone takes a candidate whose partner moves to another of its
     candidates, and so on), and the fewest pairs that would break a channel's order are undone. On the demo's
@@ -187,7 +188,8 @@ def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]]
     edges.sort()
     matched: dict[tuple[int, int], tuple[int, int]] = {}
     fifo: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (src, dst) -> (send rows, recv rows), by send
-    for _, _, src, i, dst, j in edges:
+    linked: set[tuple[tuple[int, float], tuple[int, float]]] = set()  # batches that exchanged a pair already
+    for src, i, dst, j in _by_batch(edges, ends, linked):
         if (src, i) in matched or (dst, j) in matched:
             continue
         s_rows, r_rows = fifo.setdefault((src, dst), ([], []))
@@ -197,9 +199,28 @@ def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]]
         s_rows.insert(k, i)
         r_rows.insert(k, j)
         matched[(src, i)], matched[(dst, j)] = (dst, j), (src, i)
+        linked.add(((src, ends[src][i]), (dst, ends[dst][j])))
+        linked.add(((dst, ends[dst][j]), (src, ends[src][i])))
     _augment(edges, matched)
     _keep_order(matched, rank_calls)
     return matched
+
+
+def _by_batch(edges: list[tuple], ends: dict[int, list[float]], linked: set):
+    """The sorted edges as (src, i, dst, j); of edges equally cheap (same slack and start: a receive posted after
+    two candidates' sends), those between two batches that already exchanged a pair first. A batch (the calls
+    of one NCCL group, one ``ends`` value) of a pipeline schedule exchanges with one neighbour's batch: Megatron's
+    send_forward_recv_backward sends to and receives from the same stage. ``linked`` grows as pairs are taken."""
+    k = 0
+    while k < len(edges):
+        block = [edges[k]]
+        while k + len(block) < len(edges) and edges[k + len(block)][:2] == edges[k][:2]:
+            block.append(edges[k + len(block)])
+        k += len(block)
+        if len(block) > 1:
+            block.sort(key=lambda e: ((e[2], ends[e[2]][e[3]]), (e[4], ends[e[4]][e[5]])) not in linked)
+        for _, _, src, i, dst, j in block:
+            yield src, i, dst, j
 
 
 def _keep_order(matched: dict[tuple[int, int], tuple[int, int]], rank_calls: dict[int, list[tuple]]) -> None:
