@@ -60,8 +60,10 @@ def _resolve_node_names(spec: LabSpec, log: Log) -> None:
     """Map the node names to this host, so that jobs that take addresses from them run unchanged."""
     try:
         mapped = hosts.add_nodes(spec.node_names)
-    except OSError as exc:
-        raise LabError(f"cannot map the lab's node names to this host in {hosts.HOSTS}: {exc}") from None
+    except OSError as exc:  # (a read-only hosts file of a container): the lab works, node names stay unresolved
+        log(f"warning: cannot map the lab's node names to this host in {hosts.HOSTS} ({exc}): jobs must set "
+            "MASTER_ADDR=127.0.0.1 themselves")
+        return
     if mapped:
         log(f"node names {', '.join(mapped)} resolve to {hosts.LAB_ADDR} ({hosts.HOSTS})")
 
