@@ -205,9 +205,9 @@ Signals: USR1 = collect now (trigger timelimit); TERM/INT = stop watching.
 @click.option("--exit-when-done/--keep-running", default=None,
               help="Stop once every ring of this node was closed by its writer [default: keep running under "
                    "Slurm, where a job may run several training steps and the agent ends with the job].")
-def agent(ring_dir: str | None, steps_dir: str | None, steps_out: str | None, node: str | None, job_id: str | None, job_dir: str, state_dir: str | None,
-          out: str | None, timelimit_lead: float, hang_timeout: float, poll: float, on_hang: str,
-          collect_cmd: str | None, request: str | None,
+def agent(ring_dir: str | None, steps_dir: str | None, steps_out: str | None, node: str | None, job_id: str | None,
+          job_dir: str, state_dir: str | None, out: str | None, timelimit_lead: float, hang_timeout: float,
+          poll: float, on_hang: str, collect_cmd: str | None, request: str | None,
           nodes: str | None, once: bool, max_runtime: float | None, exit_when_done: bool | None) -> None:
     """Watch this node's rings for a hang, confirm it with the other nodes' agents, then collect.
 

@@ -8,6 +8,7 @@ call sequences of adjacent stages. Used by :mod:`megatrace.analyze.importers.ncc
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -60,9 +61,9 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
     are taken greedily, the one whose receiving rank stayed the shortest in its group after the transfer
     could start first (a receive completes once its send is posted, and its rank then moves on; of equally
     good ones, a pair between two batches that already exchanged one: a 1F1B step's batch sends to and
-    receives from the same neighbour), each call at most once, keeping every channel first-in first-out (NCCL matches the k-th send a -> b with the k-th
-    receive on b from a). A greedy choice can take the partner of another call: augmenting paths then pair as
-    many calls as possible (a call left alone takes a candidate whose partner moves to another of its
+    receives from the same neighbour), each call at most once, keeping every channel first-in first-out
+    (NCCL matches the k-th send a -> b with the k-th receive on b from a). A greedy choice can take the
+    partner of another call: augmenting paths then pair as many calls as possible (a call left alone takes a candidate whose partner moves to another of its
     candidates, and so on), and the fewest pairs that would break a channel's order are undone. On the demo's
     TP2 x PP4 runs this gets 98-100% of the peers right; the rest are two neighbouring calls swapped.
 
@@ -206,7 +207,7 @@ def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]]
     return matched
 
 
-def _by_batch(edges: list[tuple], ends: dict[int, list[float]], linked: set):
+def _by_batch(edges: list[tuple], ends: dict[int, list[float]], linked: set) -> Iterator[tuple[int, int, int, int]]:
     """The sorted edges as (src, i, dst, j); of edges equally cheap (same slack and start: a receive posted after
     two candidates' sends), those between two batches that already exchanged a pair first. A batch (the calls
     of one NCCL group, one ``ends`` value) of a pipeline schedule exchanges with one neighbour's batch: Megatron's
