@@ -57,23 +57,29 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
     rank moved on: each side's enqueue time is at most the other side's next call of another NCCL group (a
     batch of send/recv is waited on before the rank goes on: Megatron-LM's ``batch_p2p_sync``, gloo), give
     or take :data:`P2P_SKEW_NS` of clock difference between hosts (a send that completes before its receive
-    is posted, as small messages may, and whose rank then moved on, is not paired: see below). Candidate pairs
-    are taken greedily, the one whose receiving rank stayed the shortest in its group after the transfer
-    could start first (a receive completes once its send is posted, and its rank then moves on; of equally
-    good ones, a pair between two batches that already exchanged one: a 1F1B step's batch sends to and
-    receives from the same neighbour), each call at most once, keeping every channel first-in first-out
-    (NCCL matches the k-th send a -> b with the k-th receive on b from a). A greedy choice can take the
-    partner of another call: augmenting paths then pair as many calls as possible (a call left alone takes a candidate whose partner moves to another of its
-    candidates, and so on), and the fewest pairs that would break a channel's order are undone. On the demo's
-    TP2 x PP4 runs this gets 98-100% of the peers right; the rest are two neighbouring calls swapped.
+    is posted, as small messages may, and whose rank then moved on, is not paired: see below).
+
+    Candidate pairs are taken greedily: first those that must have a partner in the logs (both calls made
+    while every candidate of their rank was observed, and neither in its rank's last group, which a hang may
+    leave unpaired), then the others; within each, the one whose receiving rank stayed the shortest in its
+    group after the transfer could start first (a receive completes once its send is posted, and its rank
+    then moves on; of equally good ones, a pair between two batches that already exchanged one: a 1F1B
+    step's batch sends to and receives from the same neighbour), each call at most once, keeping every
+    channel first-in first-out (NCCL matches the k-th send a -> b with the k-th receive on b from a). A
+    greedy choice can take the partner of another call: augmenting paths then pair as many calls as possible
+    (a call left alone takes a candidate whose partner moves to another of its candidates, and so on), and
+    the fewest pairs that would break a channel's order are undone. On the demo's TP2 x PP4 runs this gets
+    98-100% of the peers right; the rest are two neighbouring calls swapped.
 
     A call is paired only with a call of a rank whose log covers its time (a log starts later when its ring
     wrapped, and ends early when its later dumps are missing: ``ended``, told from the collectives): the
     partner of a call outside a candidate's log may be that candidate, unobserved. A call of a rank one of
-    whose candidates is unobserved at that time still pairs with a candidate that is observed: excluding it
-    would leave that candidate's real partner out and let a neighbour's call of similar timing and size take
-    its place (a pipeline whose first stage lost its last dump then had every later transfer of its second
-    stage misassigned, and the hang was blamed on the wrong stage).
+    whose candidates is unobserved at that time still pairs with a candidate that is observed, after the calls
+    that must have a partner: excluding it would leave that candidate's real partner out and let a
+    neighbour's call of similar timing and size take its place (a pipeline whose first stage lost its last
+    dump then had every later transfer of its second stage misassigned, and the hang was blamed on the wrong
+    stage), and taking it first let its coincidental match steal the call of a neighbour that has no other
+    partner.
 
     A call left without a partner (its partner fell outside the other rank's log, or was never posted: what a
     hang leaves) gets its peer by elimination among its candidates, each step applied while more than one
@@ -185,7 +191,10 @@ def _match_p2p(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]]
                             and not unseen(rank, dcalls[j][0]):
                         at = max(c[0], dcalls[j][0])
                         slack = _slack(e_r[k] - at)
-                        edges.append((slack, at, rank, i, dst, j))
+                        doubt = end[i] == math.inf or e_r[k] == math.inf \
+                            or any(unseen(x, c[0]) for x in candidates(rank)) \
+                            or any(unseen(x, dcalls[j][0]) for x in candidates(dst))
+                        edges.append((doubt, slack, at, rank, i, dst, j))
     edges.sort()
     matched: dict[tuple[int, int], tuple[int, int]] = {}
     fifo: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (src, dst) -> (send rows, recv rows), by send
@@ -215,12 +224,12 @@ def _by_batch(edges: list[tuple], ends: dict[int, list[float]], linked: set) -> 
     k = 0
     while k < len(edges):
         block = [edges[k]]
-        while k + len(block) < len(edges) and edges[k + len(block)][:2] == edges[k][:2]:
+        while k + len(block) < len(edges) and edges[k + len(block)][:3] == edges[k][:3]:
             block.append(edges[k + len(block)])
         k += len(block)
         if len(block) > 1:
-            block.sort(key=lambda e: ((e[2], ends[e[2]][e[3]]), (e[4], ends[e[4]][e[5]])) not in linked)
-        for _, _, src, i, dst, j in block:
+            block.sort(key=lambda e: ((e[3], ends[e[3]][e[4]]), (e[5], ends[e[5]][e[6]])) not in linked)
+        for *_, src, i, dst, j in block:
             yield src, i, dst, j
 
 
@@ -263,7 +272,7 @@ def _augment(edges: list[tuple], matched: dict[tuple[int, int], tuple[int, int]]
     another of its candidates, and so on until a receive left alone ends the chain (an augmenting path, cheapest
     candidates first). A greedy choice that took the partner of another call is undone this way."""
     adj: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for _, _, src, i, dst, j in edges:  # (sorted: cheapest first)
+    for *_, src, i, dst, j in edges:  # (sorted: surest, then cheapest first)
         adj.setdefault((src, i), []).append((dst, j))
 
     def extend(send: tuple[int, int], seen: set, depth: int) -> bool:
