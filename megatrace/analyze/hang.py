@@ -328,9 +328,9 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     pending_insts = np.unique(ix.inst[pending][ix.inst[pending] >= 0])
     details = instance_details(trace, ix, pending_insts)
     out_set = set(outstanding.tolist())
-    first_wait: dict[int, int] = {}  # rank -> the oldest row it waits in, when that call is synchronous
-    for row in sorted(pending.tolist(), reverse=True):
-        first_wait[int(rec.rank[row])] = row
+    first_wait: dict[int, int] = {}  # rank -> the oldest row it waits in (kept only when that call is synchronous)
+    for row in sorted(pending.tolist()):
+        first_wait.setdefault(int(rec.rank[row]), row)
     first_wait = {r: row for r, row in first_wait.items() if not rec.flags[row] & Flag.ASYNC}
     waits: dict[int, list[Wait]] = {}
     for row in pending.tolist():

@@ -417,14 +417,13 @@ def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iteration
     return out, long_ns
 
 
-def take_arrival_lags(stats: dict[int, RankStats], lags: dict[int, tuple[int, ...]], long_ns: int) -> int:
-    """Put :func:`arrival_lags`' figures into each rank's stats; returns ``long_ns``."""
+def take_arrival_lags(stats: dict[int, RankStats], lags: dict[int, tuple[int, ...]]) -> None:
+    """Put :func:`arrival_lags`' figures into each rank's stats."""
     for r, (caused, own, times, entered, long_times, long_lag) in lags.items():
         if r in stats:
             s = stats[r]
             s.lag_caused_ns, s.lag_own_ns, s.last_arrivals, s.collectives = caused, own, times, entered
             s.long_lags, s.long_lag_ns = long_times, long_lag
-    return long_ns
 
 
 def judge_bursts(stats: dict[int, RankStats], run_ns: int) -> list[int]:
@@ -477,7 +476,8 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
             if r in stats:
                 stats[r].intervals, stats[r].intervals_slower = whole.intervals, whole.intervals_slower
                 stats[r].interval_ratio = whole.interval_ratio
-    long_ns = take_arrival_lags(stats, *arrival_lags(trace, ix, c, it, te, gap, steps, int(LONG_LAG_STEP * step_ns)))
+    lags, long_ns = arrival_lags(trace, ix, c, it, te, gap, steps, int(LONG_LAG_STEP * step_ns))
+    take_arrival_lags(stats, lags)
     notes: list[str] = []
     by_compute = judge(stats, step_ns)
     bursts = [r for r in judge_bursts(stats, int(step_ns * len(steps))) if r not in by_compute]
@@ -501,7 +501,8 @@ def _whole_trace_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it
     done = tc > 0
     span = int(tc[done].max() - te[done].min()) if done.any() else 0
     flagged = judge(stats, span)
-    long_ns = take_arrival_lags(stats, *arrival_lags(trace, ix, c, it, te, gap, None, None))
+    lags, long_ns = arrival_lags(trace, ix, c, it, te, gap, None, None)
+    take_arrival_lags(stats, lags)
     flagged += [r for r in judge_bursts(stats, span) if r not in flagged]
     notes = ["no step could be told apart: ranks doing the same work compared call by call over the whole trace"]
     flagged, explained = _explain_neighbours(trace, stats, flagged, notes)
