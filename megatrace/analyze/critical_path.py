@@ -332,8 +332,12 @@ def _slowdown_finding(trace: TraceSet, cp: CriticalPathResult) -> Finding:
     remediation = ("Compare the named rank's node with its peers (GPU clocks and temperature, CPU load, "
                    "throttling, data loading); see the straggler findings for its compute against its peers.")
     if s.culprit == "rank" and s.rank is not None:
-        share = float(np.median([p.share(p.by_rank.get(s.rank, 0)) for p in after])) if after else 0.0
-        verdict += f"; {rank_label(trace, s.rank)} holds {share:.0%} of the critical path"
+        graphed = [p for p in after if p.by_rank]  # steps whose dependency graph was built
+        if graphed:
+            share = float(np.median([p.share(p.by_rank.get(s.rank, 0)) for p in graphed]))
+            verdict += f"; {rank_label(trace, s.rank)} holds {share:.0%} of the critical path"
+        else:
+            verdict += f"; {rank_label(trace, s.rank)}'s compute grew the most"
         subject = rank_subject(trace, s.rank)
         evidence.append(f"rank {s.rank}'s compute per step grew by {duration(s.growth_ns)} more than its peers'")
     elif s.culprit == "link" and s.link is not None:

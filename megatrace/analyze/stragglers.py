@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -609,6 +609,22 @@ def straggler_findings(trace: TraceSet, res: StragglerResult) -> list[Finding]:
     return found
 
 
+def _fold_slowdown(earlier: list[Finding], found: list[Finding]) -> None:
+    """A step slowdown that a straggler explains is that straggler's story: its onset joins the straggler's
+    evidence and the slowdown stays as context (info), so the cause, not its symptom, comes first."""
+    for i, slow in enumerate(earlier):
+        if slow.kind != Kind.STEP_SLOWDOWN or slow.severity != Severity.WARNING or slow.subject.rank is None:
+            continue
+        cause = next((f for f in found if f.kind == Kind.STRAGGLER and f.subject.rank == slow.subject.rank), None)
+        if cause is None:
+            continue
+        onset = slow.verdict.split(";")[0]
+        cause.evidence.append(f"the job's {onset}, and this rank's compute accounts for the most of it "
+                              f"({slow.data.get('explained', 0):.0%} of the increase)")
+        earlier[i] = replace(slow, severity=Severity.INFO, verdict=f"{onset}: the straggler, rank "
+                             f"{slow.subject.rank}, accounts for {slow.data.get('explained', 0):.0%} of it")
+
+
 def straggler_stage(ctx) -> list[Finding]:  # ctx: megatrace.analyze.engine.AnalysisContext
     """Engine stage: stragglers and slow links into ``ctx.results["stragglers"]``, and their findings."""
     it = iterations_of(ctx)
@@ -627,5 +643,6 @@ def straggler_stage(ctx) -> list[Finding]:  # ctx: megatrace.analyze.engine.Anal
         more = arrival_lag_findings(ctx.trace, lags, known)
         found = [f for f in found if not (f.kind == Kind.STRAGGLER and f.subject.rank in {g.subject.rank
                                                                                           for g in more})] + more
+    _fold_slowdown(ctx.findings, found)
     return found
 
