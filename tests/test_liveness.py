@@ -16,9 +16,10 @@ from megatrace.analyze.traceset import RankInfo
 S = 1_000_000_000
 
 
-def _info(rank: int, *, closed: bool = False, beat: int = 0, pulse: int = 0, pid: int = 0, host: str = "h") -> RankInfo:
+def _info(rank: int, *, closed: bool = False, beat: int = 0, pulse: int = 0, pid: int = 0, host: str = "h",
+          signal_ns: int = 0) -> RankInfo:
     return RankInfo(rank, host, rank, pid, f"rank-{rank}.ring", "job", "", closed, 10, 0, 0, 0, 0, heartbeat_ns=beat,
-                    pulse_ns=pulse)
+                    pulse_ns=pulse, signal_ns=signal_ns)
 
 
 def test_process_state_of_a_running_a_stopped_and_a_gone_process() -> None:
@@ -98,6 +99,34 @@ def test_the_first_process_gone_crashed_not_those_the_launcher_killed_after_it()
     probe = ProcessProbe("h", 200 * S, {0: GONE, 2: GONE, 3: GONE})
     live = assess(infos, [0] * 4, {"h": 0}, {r: 99 * S for r in range(4)}, probe)
     assert set(live.crashed) == {2} and "outlived" in live.crashed[2]
+
+
+MS = 1_000_000
+
+
+def test_the_rank_that_died_before_the_launchers_sigterm_crashed_however_close_the_others_went() -> None:
+    """torchrun: rank 2 killed; 25 ms later the launcher's SIGTERM ends the rest before any closes its ring.
+    Timing alone cannot tell this from a job ended as a whole; the marks can."""
+    infos = [_info(r, pulse=100 * S + 25 * MS, signal_ns=100 * S + 24 * MS) for r in (0, 1, 3)]
+    infos.insert(2, _info(2, pulse=100 * S))
+    probe = ProcessProbe("h", 200 * S, {r: GONE for r in range(4)})
+    live = assess(infos, [0] * 4, {"h": 0}, {r: 99 * S for r in range(4)}, probe)
+    assert set(live.crashed) == {2} and not live.ended_together
+    assert "ranks [0, 1, 3] were ended by SIGTERM after it" in live.crashed[2]
+
+
+@pytest.mark.parametrize("late", ["none", "unmarked-without-pulse", "killed-after-the-signal"])
+def test_a_job_whose_processes_were_ended_by_sigterm_ended_together(late: str) -> None:
+    """A time limit: SIGTERM to every rank (one without the C writer cannot say so, one killed by the
+    SIGKILL that follows), wherever their last pulses fell."""
+    infos = [_info(r, pulse=100 * S - r * 40 * MS, signal_ns=100 * S + r * MS) for r in range(4)]
+    if late == "unmarked-without-pulse":
+        infos[3] = _info(3, beat=99 * S)
+    elif late == "killed-after-the-signal":
+        infos[3] = _info(3, pulse=100 * S + 900 * MS)
+    probe = ProcessProbe("h", 200 * S, {r: GONE for r in range(4)})
+    live = assess(infos, [0] * 4, {"h": 0}, {r: 98 * S for r in range(4)}, probe)
+    assert live.ended_together and not live.culprits()
 
 
 def test_a_process_whose_pulse_goes_on_but_whose_heartbeat_stopped_has_a_wedged_interpreter() -> None:

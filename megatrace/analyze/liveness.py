@@ -9,6 +9,9 @@ observed, neither of them a guess:
   10 ms (``RankInfo.pulse_ns``): the newest of them is the moment the job was last seen; a rank whose
   beats stopped long before the others' was stopped, killed or wedged, and one whose pulse goes on
   while its heartbeat stopped has a wedged interpreter;
+* the **signal mark** the C writer leaves in the header when a SIGTERM ends the process
+  (``RankInfo.signal_ns``): that process was ended from outside (a launcher ending the rest of a job
+  after one rank died, a time limit, a cancel); a SIGKILL or a crash leaves none;
 * the **process table** of this host, for rings still open that a process of this host writes:
   running, stopped (``T``: SIGSTOP, a debugger), or gone. A pid is trusted only if its process
   started before its ring was created (a recycled pid is not the writer); a process already
@@ -130,6 +133,12 @@ class Liveness:
         return set(self.frozen) | set(self.crashed)
 
 
+def _first_gone(ranks: list[int], seen: dict[int, int], tie: int) -> list[int]:
+    """Of ``ranks`` gone, those last seen within ``tie`` of the first of them."""
+    first = min((seen[r] for r in ranks), default=0)
+    return [r for r in ranks if seen[r] - first <= tie]
+
+
 def _duration(ns: int) -> str:
     from megatrace.analyze.words import duration
 
@@ -144,11 +153,17 @@ def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dic
 
     Of several processes gone, those last seen within ``DEATH_TIE_PULSE_NS`` of the first (``DEATH_TIE_NS``
     without a native pulse to date them) crashed; the others went after them (a launcher killing the rest).
+    A signal mark settles what timing cannot: processes that died unmarked (with a pulse, so they would
+    have been marked) before the first SIGTERM reached any rank crashed, and the marked ones were ended
+    after them, however close together; a job whose processes all ended by SIGTERM ended as a whole.
     """
     out = Liveness()
     beats: dict[int, int] = {}
     pulses: dict[int, int] = {}
+    signals: dict[int, int] = {}
     for info, off in zip(infos, rank_offset_ns, strict=True):
+        if info.signal_ns > 0 and not info.closed_cleanly:
+            signals[info.rank] = info.signal_ns + int(off)
         if info.heartbeat_ns > 0:
             beats[info.rank] = info.heartbeat_ns + int(off)
         if info.pulse_ns > 0:
@@ -189,14 +204,22 @@ def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dic
     if gone:
         survivors = [r for r, i in by_rank.items() if i.closed_cleanly or states.get(r) in (RUNNING, STOPPED)]
         seen = {r: out.seen_ns.get(r, now) for r in gone}
-        first = min(seen.values())
-        if not survivors and len(gone) == len(by_rank) and max(seen.values()) - first <= FROZEN_NS:
-            out.ended_together = True
+        everyone = not survivors and len(gone) == len(by_rank)
+        ended = {r: signals[r] for r in gone if r in signals}  # ended from outside, at these times
+        first_signal = min(ended.values(), default=None)
+        died = [r for r in gone if r not in ended and r in pulses and (first_signal is None or seen[r] < first_signal)]
+        if first_signal is not None and (died or everyone):
+            out.ended_together = everyone and not died  # a time limit or a cancel: every process ended from outside
+            crashed = _first_gone(died, seen, DEATH_TIE_PULSE_NS)
+        elif everyone and max(seen.values()) - min(seen.values()) <= FROZEN_NS:
+            out.ended_together, crashed = True, []
         else:
-            tie = DEATH_TIE_PULSE_NS if all(r in pulses for r in gone) else DEATH_TIE_NS
-            for r in gone:
-                if seen[r] - first <= tie:
-                    out.crashed[r] = (f"its process (pid {by_rank[r].pid}) is gone and its ring was never closed "
-                                      "(killed, or died without unwinding)"
-                                      + (f", while ranks {sorted(survivors)[:8]} outlived it" if survivors else ""))
+            crashed = _first_gone(gone, seen, DEATH_TIE_PULSE_NS if all(r in pulses for r in gone) else DEATH_TIE_NS)
+        for r in crashed:
+            after = sorted(r2 for r2 in ended if ended[r2] >= seen[r] and r2 not in crashed)
+            out.crashed[r] = (f"its process (pid {by_rank[r].pid}) is gone and its ring was never closed "
+                              "(killed, or died without unwinding)"
+                              + (f", while ranks {sorted(survivors)[:8]} outlived it" if survivors else "")
+                              + (f"; ranks {after[:8]} were ended by SIGTERM after it (the launcher ending the "
+                                 "rest of the job)" if after else ""))
     return out

@@ -337,7 +337,7 @@ def _rank_read(rank: int, path: Path, snap: RingSnapshot) -> _RankRead:
     unknown = np.unique(left).tolist() if len(left) else []
     info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly, len(recs),
                     snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns, snap.dropped - snap.overwritten,
-                    heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns)
+                    heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns, signal_ns=h.signal_ns)
     return _RankRead(info, recs, entries, meta_path.exists(),
                      [str(p) for p in meta_problems if p.severity == "error"], unknown, _damage(snap))
 
@@ -707,7 +707,8 @@ def _load_tails(chosen: dict[int, Path], tails: _TailColumns, tally: _Tally) -> 
         snap, h = tails.snaps[path], tails.snaps[path].header
         info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly,
                         tails.rows[path][1], snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns,
-                        snap.dropped - snap.overwritten, heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns)
+                        snap.dropped - snap.overwritten, heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns,
+                        signal_ns=h.signal_ns)
         infos.append(info)
         metas[rank] = entries
         tally.add(_RankRead(info, _NO_RECORDS, entries, found, [str(p) for p in meta_problems if p.severity == "error"],

@@ -63,6 +63,7 @@ class RankInfo:
     #                            silence after it is no stop
     heartbeat_ns: int = 0  # the tracer's last heartbeat (CLOCK_MONOTONIC of its host); 0: none (liveness.py)
     pulse_ns: int = 0  # the C writer's last native pulse (same clock); 0: none
+    signal_ns: int = 0  # when a SIGTERM reached its process (same clock): ended from outside; 0: none did
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,10 @@ PULSE_OFFSET = 280  # u64: CLOCK_MONOTONIC of the writer's last pulse; 0: the wr
 PULSE = struct.Struct("<Q")
 PULSE_INTERVAL_NS = 10_000_000  # the C writer's native thread pulses every 10 ms, GIL or not: it stops only with
 #                                 the process, and dates a death within 10 ms (which of two killed moments apart went first)
+SIGNAL_NS_OFFSET = 288  # u64: CLOCK_MONOTONIC when a SIGTERM reached the writer's process; 0: none did
+SIGNAL_NS = struct.Struct("<Q")
+SIGNAL_OFFSET = 296  # u32: that signal's number (15); 0: none. A process ended from outside (a launcher
+SIGNAL = struct.Struct("<I")  # killing the rest of a job, a time limit) says so; a SIGKILL or a crash cannot.
 
 # Record: immutable head (bytes 0..44) + head_check, then a mutable tail.
 RECORD_HEAD = struct.Struct("<QQqQIiHBB")  # seq, group_seq, t_enqueue, nbytes, gid, peer, op, dtype, flags

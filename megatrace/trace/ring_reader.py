@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ class RingHeader:
     writer_state: int
     heartbeat_ns: int = 0  # the writer's last heartbeat (its host's CLOCK_MONOTONIC); 0: it does not beat
     pulse_ns: int = 0  # the writer's native pulse (same clock); 0: it has none
+    signal: int = 0  # the terminating signal that reached the writer's process (SIGTERM); 0: none
+    signal_ns: int = 0  # when it arrived (same clock)
 
     @property
     def closed_cleanly(self) -> bool:
@@ -136,13 +139,13 @@ def _empty_rows(raw: np.ndarray) -> np.ndarray:
 
 
 META_LIMIT = 64 << 20  # a meta file is a few KiB (a group line per group); refuse anything absurd
-_HEADER_USED = fmt.PULSE_OFFSET + fmt.PULSE.size  # the header bytes that hold anything
+_HEADER_USED = fmt.SIGNAL_OFFSET + fmt.SIGNAL.size  # the header bytes that hold anything
 _HEADER_REQUIRED = fmt.WRITER_STATE_OFFSET + fmt.WRITER_STATE.size  # ... of which a reader needs these
 
 
 def parse_header(path: str, blob: bytes, file_size: int | None = None) -> tuple[RingHeader, list[ReadProblem]]:
     """The header fields and their problems; ``blob`` is the file's start (all of the 4096-byte header,
-    or, with ``file_size`` given, at least its first 268 bytes; the heartbeat at 272 is read when present)."""
+    or, with ``file_size`` given, at least its first 268 bytes; the later fields are read when present)."""
     problems: list[ReadProblem] = []
     size = len(blob) if file_size is None else file_size
     if size < fmt.HEADER_SIZE or len(blob) < _HEADER_REQUIRED:
@@ -168,11 +171,18 @@ def parse_header(path: str, blob: bytes, file_size: int | None = None) -> tuple[
         raise RingFormatError(f"{path}: offset 32: world size {world_size} is outside 1..{fmt.MAX_WORLD_SIZE}")
     counter = fmt.WRITE_COUNTER.unpack_from(blob, fmt.WRITE_COUNTER_OFFSET)[0]
     state = fmt.WRITER_STATE.unpack_from(blob, fmt.WRITER_STATE_OFFSET)[0]
-    beat = fmt.HEARTBEAT.unpack_from(blob, fmt.HEARTBEAT_OFFSET)[0] if len(blob) >= _HEADER_USED else 0
-    pulse = fmt.PULSE.unpack_from(blob, fmt.PULSE_OFFSET)[0] if len(blob) >= _HEADER_USED else 0
+    beat, pulse, sig, sig_ns = (_field(blob, f, off) for f, off in (
+        (fmt.HEARTBEAT, fmt.HEARTBEAT_OFFSET), (fmt.PULSE, fmt.PULSE_OFFSET), (fmt.SIGNAL, fmt.SIGNAL_OFFSET),
+        (fmt.SIGNAL_NS, fmt.SIGNAL_NS_OFFSET)))
     header = RingHeader(path, version, capacity, rank, local_rank, world_size, pid, wall, mono,
-                        _decode(job), _decode(step), _decode(host), counter, state, beat, pulse)
+                        _decode(job), _decode(step), _decode(host), counter, state, beat, pulse,
+                        sig, sig_ns if sig else 0)
     return header, problems
+
+
+def _field(blob: bytes, layout: struct.Struct, offset: int) -> int:
+    """A mutable header field, or 0 when ``blob`` stops before it."""
+    return layout.unpack_from(blob, offset)[0] if len(blob) >= offset + layout.size else 0
 
 
 def _validate(raw: np.ndarray, slots: np.ndarray,

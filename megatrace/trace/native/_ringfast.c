@@ -12,11 +12,15 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "ring_record.h"
 
-#define MT_PULSE_OFFSET 280u /* ring_format.PULSE_OFFSET */
+#define MT_PULSE_OFFSET 280u      /* ring_format.PULSE_OFFSET */
+#define MT_SIGNAL_NS_OFFSET 288u  /* ring_format.SIGNAL_NS_OFFSET */
+#define MT_SIGNAL_OFFSET 296u     /* ring_format.SIGNAL_OFFSET */
 
 typedef struct {
     PyObject_HEAD
@@ -31,7 +35,70 @@ typedef struct {
     int pulse_running;
     volatile int pulse_stop;
     int64_t pulse_interval_ns;
+    int marks_signal; /* this ring is the one a SIGTERM is marked in */
 } FastRing;
+
+/* The signal mark: a SIGTERM (a launcher or the scheduler ending the process) is written into the
+ * header before the process ends as it would have, so a reader tells "ended from outside" from
+ * "died" (SIGKILL, a crash), which leave no mark. Only the process that installed it marks: a
+ * forked child inherits the handler and the shared mapping, not the right to speak for the rank. */
+static unsigned char *mt_signal_ring;
+static pid_t mt_signal_pid;
+
+static void mt_on_signal(int sig)
+{
+    int saved = errno;
+    unsigned char *base = __atomic_load_n(&mt_signal_ring, __ATOMIC_ACQUIRE);
+    if (base != NULL && getpid() == mt_signal_pid) {
+        __atomic_store_n((int64_t *)(base + MT_SIGNAL_NS_OFFSET), mt_now_ns(), __ATOMIC_RELAXED);
+        __atomic_store_n((uint32_t *)(base + MT_SIGNAL_OFFSET), (uint32_t)sig, __ATOMIC_RELEASE);
+    }
+    raise(sig); /* SA_RESETHAND restored the default action: the process ends by this signal, as before */
+    errno = saved;
+}
+
+/* Install the mark for SIGTERM unless someone else handles it; 1 when this ring now carries it. */
+static int signal_mark_install(FastRing *self)
+{
+    struct sigaction now, act;
+    if (sigaction(SIGTERM, NULL, &now) != 0)
+        return 0;
+    if (!(now.sa_flags & SA_SIGINFO) && now.sa_handler == mt_on_signal) {
+        __atomic_store_n(&mt_signal_ring, (unsigned char *)self->view.buf, __ATOMIC_RELEASE);
+        return 1;
+    }
+    if ((now.sa_flags & SA_SIGINFO) || now.sa_handler != SIG_DFL)
+        return 0; /* the program's own handler (or SIG_IGN) stays: it decides what SIGTERM means */
+    mt_signal_pid = getpid();
+    __atomic_store_n(&mt_signal_ring, (unsigned char *)self->view.buf, __ATOMIC_RELEASE);
+    memset(&act, 0, sizeof act);
+    act.sa_handler = mt_on_signal;
+    sigemptyset(&act.sa_mask);
+    act.sa_flags = SA_RESETHAND | SA_RESTART;
+    if (sigaction(SIGTERM, &act, NULL) != 0) {
+        __atomic_store_n(&mt_signal_ring, NULL, __ATOMIC_RELEASE);
+        return 0;
+    }
+    return 1;
+}
+
+/* Take the mark away (the ring closes): the default action again, if ours is still the handler. */
+static void signal_mark_remove(FastRing *self)
+{
+    struct sigaction now, dfl;
+    if (!self->marks_signal)
+        return;
+    self->marks_signal = 0;
+    if (__atomic_load_n(&mt_signal_ring, __ATOMIC_ACQUIRE) != (unsigned char *)self->view.buf)
+        return; /* a newer ring carries it */
+    if (sigaction(SIGTERM, NULL, &now) == 0 && !(now.sa_flags & SA_SIGINFO) && now.sa_handler == mt_on_signal) {
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigemptyset(&dfl.sa_mask);
+        sigaction(SIGTERM, &dfl, NULL);
+    }
+    __atomic_store_n(&mt_signal_ring, NULL, __ATOMIC_RELEASE);
+}
 
 static void *pulse_main(void *arg)
 {
@@ -47,6 +114,7 @@ static void *pulse_main(void *arg)
 
 static void pulse_halt(FastRing *self)
 {
+    signal_mark_remove(self);
     if (!self->pulse_running)
         return;
     self->pulse_stop = 1;
@@ -208,7 +276,8 @@ static PyObject *FastRing_shared_state(FastRing *self, PyObject *Py_UNUSED(ignor
                          (unsigned long long)(uintptr_t)&self->next_seq);
 }
 
-/* start_pulse(interval_ns): start the pulse thread (idempotent). Signals stay with the other threads. */
+/* start_pulse(interval_ns): start the pulse thread (idempotent; signals stay with the other threads)
+ * and the SIGTERM mark: together they date the process's end and say whether it was ended from outside. */
 static PyObject *FastRing_start_pulse(FastRing *self, PyObject *arg)
 {
     long long interval = PyLong_AsLongLong(arg);
@@ -233,6 +302,7 @@ static PyObject *FastRing_start_pulse(FastRing *self, PyObject *arg)
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     self->pulse_running = 1;
+    self->marks_signal = signal_mark_install(self);
     Py_RETURN_NONE;
 }
 
@@ -242,8 +312,15 @@ static PyObject *FastRing_stop_pulse(FastRing *self, PyObject *Py_UNUSED(ignored
     Py_RETURN_NONE;
 }
 
+static PyObject *FastRing_marks_signal(FastRing *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(self->marks_signal);
+}
+
 static PyMethodDef FastRing_methods[] = {
-    {"start_pulse", (PyCFunction)FastRing_start_pulse, METH_O, "Rewrite the header's pulse_ns every interval."},
+    {"start_pulse", (PyCFunction)FastRing_start_pulse, METH_O,
+     "Rewrite the header's pulse_ns every interval; mark a SIGTERM in the header."},
+    {"marks_signal", (PyCFunction)FastRing_marks_signal, METH_NOARGS, "Whether a SIGTERM is marked in this ring."},
     {"stop_pulse", (PyCFunction)FastRing_stop_pulse, METH_NOARGS, "Stop the pulse thread."},
     {"shared_state", (PyCFunction)FastRing_shared_state, METH_NOARGS, "(address, capacity, counter address)."},
     {"begin", (PyCFunction)(void (*)(void))FastRing_begin, METH_FASTCALL, "Commit an 'entered' record."},
