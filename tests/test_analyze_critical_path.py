@@ -12,7 +12,7 @@ from pipeline_sim import PipelineSim
 from megatrace.analyze.critical_path import critical_path, critical_path_stage, what_if
 from megatrace.analyze.depgraph import Edge, EdgeKind, GraphError, IterationGraph, Node, NodeKind, validate
 from megatrace.analyze.engine import analyze
-from megatrace.analyze.findings import Severity
+from megatrace.analyze.findings import Kind, Severity
 from megatrace.analyze.iterations import smallest_period
 from megatrace.analyze.stragglers import straggler_stage
 from megatrace.trace.ring_format import Op
@@ -209,3 +209,14 @@ def test_without_a_layout_file_the_layout_is_inferred_and_the_graph_still_built(
     assert res.results["iterations"].method == "dp-sync"
     assert res.results["iterations"].n_steps == 4
     assert res.results["critical_path"].paths
+
+
+def test_a_slowdown_a_straggler_explains_is_told_as_the_stragglers_story(tmp_path: Path) -> None:
+    """The cause first: rank 5 slowed from step 4 is the straggler; the slowdown is its evidence, not a rival."""
+    res = _run(tmp_path, PipelineSim(tp=2, pp=2, dp=2, slow={5: 2.0}, slow_from=4, steps=12))
+    assert res.results["critical_path"].slowdown is not None
+    top = res.findings[0]
+    assert top.kind == Kind.STRAGGLER and top.subject.rank == 5, [f.verdict for f in res.findings[:3]]
+    assert any("from step 4" in str(e) for e in top.evidence), top.evidence
+    (slow,) = [f for f in res.findings if f.id.startswith("step-slowdown")]
+    assert slow.severity == Severity.INFO and "the straggler, rank 5" in slow.verdict
