@@ -80,11 +80,11 @@ class Job:
                 pass
         return pids
 
-    def kill_all(self) -> None:
-        """SIGKILL the launcher and every rank at once (a time limit, a cancel)."""
+    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the launcher and every rank at once (a time limit, a cancel)."""
         for pid in [self.proc.pid, *self.worker_pids()]:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -156,12 +156,13 @@ def test_a_killed_rank_is_the_crashed_process(program: Path, tmp_path: Path, job
     assert top.severity == Severity.CRITICAL
 
 
-def test_a_job_killed_as_a_whole_is_no_hang(tmp_path: Path, jobs: list[Job]) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_job_killed_as_a_whole_is_no_hang(sig: int, tmp_path: Path, jobs: list[Job]) -> None:
     """A time limit or a cancel: every rank killed at the same moment while training ran normally."""
     job = Job(DDP, tmp_path, "--iterations", "100000", "--seconds", "120")
     jobs.append(job)
     job.pid(0, warm_records=200)
-    job.kill_all()
+    job.kill_all(sig)
     job.wait()
     result, top = _top(job.rings)
     assert top.kind == Kind.HEALTHY and "ended as a whole" in top.verdict, top.verdict
