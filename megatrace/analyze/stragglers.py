@@ -299,6 +299,35 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
     return [r for r in flagged if r not in explained], explained
 
 
+def _explain_late_downstream(trace: TraceSet, stats: dict[int, RankStats], flagged: list[int], by_compute: list[int],
+                             explained: dict[int, int], notes: list[str]) -> list[int]:
+    """Unflag ranks that arrive late only because a slow stage of their pipeline replica feeds them.
+
+    A rank flagged for arriving last in bursts while it computes at its peers' speed, in the pipeline
+    replica (same DP coordinate, another stage) of a flagged rank that computes slower than its peers, waits
+    on that rank: its receives finish late, so its data-parallel collectives start late. The lateness is
+    the straggler's, passed along the pipeline (``explained`` gains rank -> straggler)."""
+    layout = trace.layout
+    if layout is None or layout.pp < 2:
+        return flagged
+
+    def slower_itself(q: int) -> bool:
+        return q in by_compute or (stats[q].excess_ns > 0 and stats[q].relative >= MIN_EXCESS_REL)
+
+    for r in flagged:
+        if not stats[r].bursty or slower_itself(r):
+            continue
+        c = layout.coords(r)
+        q = next((q for q in flagged if q not in explained and slower_itself(q) and layout.coords(q).dp == c.dp
+                  and layout.coords(q).pp != c.pp), None)
+        if q is not None:
+            explained[r] = q
+            stats[r].straggler = False
+            notes.append(f"rank {r} arrives late at its collectives at its peers' speed: it waits on rank {q} "
+                         "of its pipeline replica")
+    return [r for r in flagged if r not in explained]
+
+
 def _waits_seen(trace: TraceSet) -> bool:
     """A receive's wait is communication, not compute: the trace records point-to-point calls and when they
     completed (an arrival-only import infers a send's completion from its receiver, so waits leak into compute)."""
@@ -482,6 +511,7 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
     by_compute = judge(stats, step_ns)
     bursts = [r for r in judge_bursts(stats, int(step_ns * len(steps))) if r not in by_compute]
     flagged, explained = _explain_neighbours(trace, stats, by_compute + bursts, notes)
+    flagged = _explain_late_downstream(trace, stats, flagged, by_compute, explained, notes)
     pairs, delay, slow_ranks, slow_links = analyze_links(trace, ix, c, it, te, tc, steps)
     if len(steps) < MIN_STEPS:
         notes.append(f"only {len(steps)} steady steps: too few to judge stragglers")
@@ -529,7 +559,10 @@ def _impact(ctx, result: StragglerResult) -> None:
 
 def _neighbour_evidence(trace: TraceSet, res: StragglerResult, r: int) -> list[str]:
     """What a trace blind to receive waits leaves open about the other stages of ``r``'s replica."""
-    out = [f"rank {q} of its pipeline replica is slower too, by {res.ranks[q].interval_ratio:.2f}x call by call: "
+    out = [f"rank {q} of its pipeline replica arrives last at its collectives too ({res.ranks[q].long_lags} times "
+           f"by more than {duration(res.long_lag_ns)}) while it computes at its peers' speed: it waits on rank {r}"
+           if res.ranks[q].bursty else
+           f"rank {q} of its pipeline replica is slower too, by {res.ranks[q].interval_ratio:.2f}x call by call: "
            f"presumably its receives waiting on rank {r} (this trace does not show how long receives waited)"
            for q, by in res.explained.items() if by == r]
     layout = trace.layout
