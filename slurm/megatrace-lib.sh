@@ -18,6 +18,9 @@ FALLBACK_DIR=/var/tmp/megatrace
 RUN_DIR=/run/megatrace
 CHECK_TIMEOUT=100
 ANALYZE_TIMEOUT=90
+SLURM_BIN=""  # the site's Slurm commands (':'-separated directories); empty: beside the slurmd that runs us
+SLURM_CONF="${SLURM_CONF:-}"
+SYSTEM_PATH=/usr/sbin:/usr/bin:/sbin:/bin
 
 log() { logger -t "$LOG_TAG" -- "$*" 2>/dev/null; printf '%s: %s\n' "${LOG_TAG/-/ }" "$*" >&2; }
 
@@ -32,13 +35,53 @@ read_site_conf() {
 	fi
 	while IFS='=' read -r key value; do
 		case "$key" in
-		MEGATRACE_BIN | CHECK_CMD | CHECK_TIMEOUT | ANALYZE_TIMEOUT | LOCAL_DIR | FALLBACK_DIR | RUN_DIR)
+		MEGATRACE_BIN | CHECK_CMD | CHECK_TIMEOUT | ANALYZE_TIMEOUT | LOCAL_DIR | FALLBACK_DIR | RUN_DIR | \
+			SLURM_BIN | SLURM_CONF | HEALTH_ARGS | HEALTH_ALERTS | HEALTH_TIMEOUT)
 			printf -v "$key" '%s' "$value" ;;
-		HEALTH_*) ;; # the HealthCheckProgram's (slurm/healthcheck)
 		'' | \#*) ;;
 		*) log "unknown key $key in $SITE_CONF" ;;
 		esac
 	done <"$SITE_CONF"
+}
+
+# The slurmd (or slurmstepd) this script runs under: the path of its executable, from /proc.
+slurmd_exe() {
+	local pid=$$ comm stat
+	while [ "$pid" -gt 1 ]; do
+		comm=$(cat "/proc/$pid/comm" 2>/dev/null) || return 1
+		case "$comm" in slurmd | slurmstepd)
+			readlink "/proc/$pid/exe" && return 0 ;;
+		esac
+		stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+		stat=${stat##*) }
+		pid=$(printf '%s' "$stat" | cut -d' ' -f2)
+		case "$pid" in '' | *[!0-9]*) return 1 ;; esac
+	done
+	return 1
+}
+
+# PATH with the site's Slurm first (a source build under /opt, a newer release than the system's):
+# SLURM_BIN's directories, else the bin and sbin beside the running slurmd; each must be a directory
+# of root's that others cannot write (root runs what it finds there). SLURM_CONF, when set, is exported.
+use_site_slurm() {
+	local dirs=$SLURM_BIN daemon d found="" list
+	if [ -z "$dirs" ] && daemon=$(slurmd_exe); then
+		dirs="${daemon%/*/*}/bin:${daemon%/*}"
+	fi
+	IFS=: read -r -a list <<<"$dirs"
+	for d in "${list[@]}"; do
+		[ -n "$d" ] || continue
+		case ":$SYSTEM_PATH:$found" in *":$d:"*) continue ;; esac
+		if case "$d" in /*) false ;; *) true ;; esac || [ -L "$d" ] || [ ! -d "$d" ] ||
+			[ "$(stat -c %u -- "$d")" != 0 ] || [ $((8#$(stat -c %a -- "$d") & 8#022)) != 0 ]; then
+			log "ignoring Slurm directory $d: not an absolute path to a directory of root's that others cannot write"
+			continue
+		fi
+		found="$found$d:"
+	done
+	PATH="$found$SYSTEM_PATH"
+	export PATH
+	if [ -n "$SLURM_CONF" ]; then export SLURM_CONF; fi
 }
 
 # The job's ids must be numbers and the node name a plain word; 1 when they are not.

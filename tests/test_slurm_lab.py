@@ -758,7 +758,21 @@ def test_the_agents_catch_the_demo_hang_report_it_within_90_s_and_cancel_the_job
 
     demo = LabDemo(nodes=4, ranks=8, steps=200, fault="hang:rank=5,step=3", hang_timeout_s=30, on_hang="cancel",
                    comm_timeout_s=900, time_limit_min=10, timeout_s=300)
-    report = run(demo, tmp_path, log=lambda m: None)
+    # The site's Slurm comes first (SLURM_BIN): its scancel is the one the agent runs.
+    site_bin = tmp_path / "site-slurm" / "bin"
+    site_bin.mkdir(parents=True)
+    for d in (site_bin.parent, site_bin):
+        os.chmod(d, 0o755)
+    called = site_bin / "called"
+    (site_bin / "scancel").write_text(f'#!/bin/sh\necho "$@" >>{called}\nexec {shutil.which("scancel")} "$@"\n')
+    os.chmod(site_bin / "scancel", 0o755)
+    site = Path("/etc/megatrace/slurm.conf")
+    site_text = site.read_text()
+    site.write_text(site_text + f"SLURM_BIN={site_bin}\n")
+    try:
+        report = run(demo, tmp_path, log=lambda m: None)
+    finally:
+        site.write_text(site_text)
     step = report.parent
     assert report.name == "report.html" and step.name == "step-0"
     job = step.parent.name.removeprefix("megatrace-")
@@ -780,6 +794,7 @@ def test_the_agents_catch_the_demo_hang_report_it_within_90_s_and_cancel_the_job
     assert "Comment=megatrace: hang confirmed" in comment
     assert _sacct_state(job) == "CANCELLED"
     assert not agents_of(job)
+    assert job in called.read_text().split(), "the agent did not cancel with the site's scancel"
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatrace.check.plugin import REBUILD, read_plugin
 from megatrace.check.results import ProbeResult, Status, Subject
 
 IB_ROOT = Path("/sys/class/infiniband")
@@ -118,6 +119,8 @@ def read_host(job_dir: str | None = None, ring_dir: str | None = None, node: str
                 facts[f"{name}_free"] = {"error": f"{path}: {exc.strerror}"}
     facts["ib_ports"] = read_ib_ports()
     facts["versions"] = _versions()
+    plugin = read_plugin()
+    facts["plugin"] = plugin.to_dict() if plugin is not None else None
     return facts
 
 
@@ -234,6 +237,7 @@ def judge_host(facts: dict[str, Any], node: str, t: HostThresholds = HostThresho
                                remediation="Install megatrace into the Python the jobs use."))
     elif "tracer" in facts:
         res.append(ProbeResult("node.tracer", Status.OK, here, f"the tracer imports in {sys.executable}"))
+    res += _judge_plugin(facts.get("plugin"), here)
     for name, label, floor in (("shm", "/dev/shm", t.min_free_shm_mib), ("job_dir", "the job directory",
                                                                          t.min_free_job_mib),
                                ("ring_dir", "the ring directory", t.min_free_ring_mib)):
@@ -252,6 +256,28 @@ def judge_host(facts: dict[str, Any], node: str, t: HostThresholds = HostThresho
     for p in facts.get("ib_ports", []):
         res += _judge_port(p, node, t)
     return res
+
+
+def _judge_plugin(plugin: dict[str, Any] | None, here: Subject) -> list[ProbeResult]:
+    """The installed SPANK plugin against the running Slurm (``node.plugin``): a warning, never a drain (jobs
+    run; only ``--megatrace`` is missing)."""
+    if not plugin:
+        return []
+    path, built, running = plugin["path"], plugin["built_for"], plugin["running"]
+    rebuild = (f"Rebuild it against the running Slurm's headers and reinstall: {REBUILD} "
+               "SLURM_INCLUDE=<the Slurm prefix>/include (slurm/INSTALL.md).")
+    if plugin.get("problem") and built is None:
+        return [ProbeResult("node.plugin", Status.WARN, here, plugin["problem"], remediation=rebuild)]
+    if running is None:
+        return [ProbeResult("node.plugin", Status.WARN, here, f"{path} is built for Slurm {built}; the running "
+                            f"release is unknown ({plugin.get('problem')})",
+                            remediation="Put the site's Slurm on PATH (SLURM_BIN in /etc/megatrace/slurm.conf).")]
+    if built.split(".")[:2] != running.split(".")[:2]:
+        return [ProbeResult("node.plugin", Status.WARN, here,
+                            f"the SPANK plugin {path} is built for Slurm {built} but {running} runs: Slurm will not "
+                            "load it, and sbatch/srun go on without --megatrace", built, running, rebuild)]
+    return [ProbeResult("node.plugin", Status.OK, here, f"the SPANK plugin {path} fits Slurm {running}", built,
+                        running)]
 
 
 def _judge_port(p: dict[str, Any], node: str, t: HostThresholds) -> list[ProbeResult]:

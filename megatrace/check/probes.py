@@ -8,7 +8,7 @@ from __future__ import annotations
 PROBES: dict[str, tuple[str, ...]] = {
     "gpu": ("nvml", "count", "driver", "xid", "temperature", "clocks", "ecc", "remap", "retired", "power", "pcie",
             "pcie_gen", "memory", "mig", "persistence", "nvlink", "dcgm"),
-    "node": ("facts", "injected", "tracer", "shm", "job_dir", "ring_dir", "ib", "ib_errors", "ib_rate", "cpus", "mem_bytes",
+    "node": ("facts", "injected", "tracer", "plugin", "shm", "job_dir", "ring_dir", "ib", "ib_errors", "ib_rate", "cpus", "mem_bytes",
              "kernel", "versions", "gpu_driver", "clock"),
     "net": ("allreduce", "node", "link", "matrix", "pair", "latency", "gather"),
 }
