@@ -651,11 +651,12 @@ def _fold_slowdown(earlier: list[Finding], found: list[Finding]) -> None:
         cause = next((f for f in found if f.kind == Kind.STRAGGLER and f.subject.rank == slow.subject.rank), None)
         if cause is None:
             continue
-        onset = slow.verdict.split(";")[0]
+        d = slow.data
+        onset = f"step time {d['ratio']:.2f}× the expected {duration(d['expected_ns'])} from step {d['onset_step']}"
         cause.evidence.append(f"the job's {onset}, and this rank's compute accounts for the most of it "
-                              f"({slow.data.get('explained', 0):.0%} of the increase)")
+                              f"({d['explained']:.0%} of the increase)")
         earlier[i] = replace(slow, severity=Severity.INFO, verdict=f"{onset}: the straggler, rank "
-                             f"{slow.subject.rank}, accounts for {slow.data.get('explained', 0):.0%} of it")
+                             f"{slow.subject.rank}, accounts for {d['explained']:.0%} of it")
 
 
 def straggler_stage(ctx) -> list[Finding]:  # ctx: megatrace.analyze.engine.AnalysisContext
