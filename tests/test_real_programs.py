@@ -110,6 +110,9 @@ def jobs():
         job.stop()
 
 
+PERFORMANCE = {Kind.STRAGGLER, Kind.SLOW_LINK, Kind.SLOW_RANK_NETWORK, Kind.STEP_SLOWDOWN}
+
+
 def _top(rings: Path):
     result = analyze(rings)
     return result, result.findings[0]
@@ -164,9 +167,13 @@ def test_a_job_killed_as_a_whole_is_no_hang(sig: int, tmp_path: Path, jobs: list
     job.pid(0, warm_records=200)
     job.kill_all(sig)
     job.wait()
-    result, top = _top(job.rings)
-    assert top.kind == Kind.HEALTHY and "ended as a whole" in top.verdict, top.verdict
-    assert not result.at_least(Severity.WARNING), [f.verdict for f in result.at_least(Severity.WARNING)]
+    result = analyze(job.rings)
+    (healthy,) = [f for f in result.findings if f.kind == Kind.HEALTHY]
+    assert "ended as a whole" in healthy.verdict, healthy.verdict
+    # Nothing stopped (a job sharing 2 cores among 4 ranks may still show a rank slower than the others:
+    # that is performance, which this test does not judge).
+    alarms = [f.verdict for f in result.at_least(Severity.WARNING) if f.kind not in PERFORMANCE]
+    assert not alarms, alarms
 
 
 def test_a_live_job_silent_everywhere_is_a_stall_not_healthy(tmp_path: Path, jobs: list[Job]) -> None:
