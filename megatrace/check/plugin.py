@@ -138,4 +138,5 @@ def read_plugin(plugstack: str | None = None, plugin: str | None = None) -> Plug
         return PluginFacts(plugin, None, running, f"{plugin}: {exc}")
     if built is None:
         return PluginFacts(plugin, None, running, f"{plugin} has no plugin_version symbol (not a SPANK plugin?)")
-    return PluginFacts(plugin, built, running, None if running is not None else "neither slurmd -V nor scontrol --version gave a release")
+    unknown = "neither slurmd -V nor scontrol --version gave a release"
+    return PluginFacts(plugin, built, running, None if running is not None else unknown)
