@@ -272,7 +272,7 @@ def _judge_plugin(plugin: dict[str, Any] | None, here: Subject) -> list[ProbeRes
         return [ProbeResult("node.plugin", Status.WARN, here, f"{path} is built for Slurm {built}; the running "
                             f"release is unknown ({plugin.get('problem')})",
                             remediation="Put the site's Slurm on PATH (SLURM_BIN in /etc/megatrace/slurm.conf).")]
-    if built.split(".")[:2] != running.split(".")[:2]:
+    if not plugin["fits"]:
         return [ProbeResult("node.plugin", Status.WARN, here,
                             f"the SPANK plugin {path} is built for Slurm {built} but {running} runs: Slurm will not "
                             "load it, and sbatch/srun go on without --megatrace", built, running, rebuild)]

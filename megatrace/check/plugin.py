@@ -33,8 +33,9 @@ class PluginFacts:
     problem: str | None = None  # why one of them could not be read
 
     def to_dict(self) -> dict[str, object]:
+        fits = None if self.built_for is None or self.running is None else same_release(self.built_for, self.running)
         return {"path": self.path, "built_for": release(self.built_for), "running": release(self.running),
-                "problem": self.problem}
+                "fits": fits, "problem": self.problem}
 
 
 def release(number: int | None) -> str | None:
@@ -94,7 +95,7 @@ def running_release(timeout: float = 10.0) -> int | None:
 
 
 def plugstack_plugins(plugstack: str | os.PathLike[str]) -> list[str]:
-    """The megatrace plugins a plugstack.conf names, following its ``include`` lines (one level of globs)."""
+    """The megatrace plugins a plugstack.conf names, following its ``include`` globs (64 files at most)."""
     found: list[str] = []
     files = [str(plugstack)]
     seen: set[str] = set()
