@@ -143,3 +143,18 @@ def test_classify_separates_a_slow_rank_from_a_lone_slow_link() -> None:
     ranks, links = classify_delays(pairs)
     assert ranks == [0]
     assert [(p.a, p.b) for p in links] == [(4, 5)]
+
+
+def test_a_pipeline_wait_is_judged_against_the_same_stages_in_the_other_replicas() -> None:
+    """Stage 1 waits on stage 0 by the pipeline's shape in every replica; only replica 1's extra wait counts."""
+    from megatrace.analyze.stragglers import PipelineWaits
+    from megatrace.config import Layout
+
+    layout = Layout(world_size=6, tp=1, pp=2, dp=3)  # tp-dp-pp: ranks 0-2 stage 0, 3-5 stage 1; replica d: d, d+3
+    shape = {(3, 0): 4 * MS, (0, 3): 1 * MS, (5, 2): 4 * MS, (2, 5): 1 * MS}
+    waits = PipelineWaits(layout, {**shape, (4, 1): 9 * MS, (1, 4): 1 * MS})
+    assert waits.excess(4, 1) == 5 * MS and waits.excess(1, 4) == 0
+    assert waits.waits_on(4, 1) and not waits.waits_on(1, 4)
+    assert not waits.waits_on(3, 0)  # the shape alone is no one's lateness
+    both = PipelineWaits(layout, {**shape, (4, 1): 9 * MS, (1, 4): 4 * MS})  # 5 ms against 3 ms: no one dominates
+    assert not both.waits_on(4, 1) and not both.waits_on(1, 4)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -67,6 +67,10 @@ MIN_LONG_LAGS = 10  # ... at least this many times,
 BURST_SHARE = 0.75  # ... holds at least this share of such waiting among the ranks doing the same work,
 MIN_BURST_RUN_SHARE = 0.05  # ... and it cost its peers at least 5% of the steady steps' time
 WHOLE_TRACE_LONG_LAG = 10.0  # without steps, a lag is long at 10x the median lag of the last arrivals (and >= 5 ms)
+# A rank arriving late at its collectives at its peers' speed waits on the next stage of its pipeline replica
+# when it waited at their exchanges (beyond the same stages' wait in the other replicas) this many times as long
+# as the other waited on it (a rank stopped from outside arrives late at both directions of its exchanges)
+WAIT_DOMINANCE = 2.0
 
 
 @dataclass
@@ -300,13 +304,15 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
 
 
 def _explain_late_downstream(trace: TraceSet, stats: dict[int, RankStats], flagged: list[int], by_compute: list[int],
-                             explained: dict[int, int], notes: list[str]) -> list[int]:
+                             explained: dict[int, int], notes: list[str], waits: Callable[[], PipelineWaits]) -> list[int]:
     """Unflag ranks that arrive late only because a slow stage of their pipeline replica feeds them.
 
     A rank flagged for arriving last in bursts while it computes at its peers' speed, in the pipeline
-    replica (same DP coordinate, another stage) of a flagged rank that computes slower than its peers, waits
-    on that rank: its receives finish late, so its data-parallel collectives start late. The lateness is
-    the straggler's, passed along the pipeline (``explained`` gains rank -> straggler)."""
+    replica (same DP coordinate, another stage) of a flagged rank, waits on that rank when the other rank
+    computes slower than its peers or, next stage to it, is the one its point-to-point exchanges wait for
+    (a rank stopped from outside is often stopped inside a receive, so its slowness shows as lateness at
+    its exchanges rather than as compute): its receives finish late, so its data-parallel collectives start
+    late. The lateness is the straggler's, passed along the pipeline (``explained`` gains rank -> straggler)."""
     layout = trace.layout
     if layout is None or layout.pp < 2:
         return flagged
@@ -318,14 +324,58 @@ def _explain_late_downstream(trace: TraceSet, stats: dict[int, RankStats], flagg
         if not stats[r].bursty or slower_itself(r):
             continue
         c = layout.coords(r)
-        q = next((q for q in flagged if q not in explained and slower_itself(q) and layout.coords(q).dp == c.dp
-                  and layout.coords(q).pp != c.pp), None)
+        replica = [q for q in flagged if q not in explained and q != r and layout.coords(q).dp == c.dp
+                   and layout.coords(q).pp != c.pp]
+        q = next((q for q in replica if slower_itself(q)), None)
+        if q is None:
+            q = next((q for q in replica if waits().waits_on(r, q)), None)
         if q is not None:
             explained[r] = q
             stats[r].straggler = False
             notes.append(f"rank {r} arrives late at its collectives at its peers' speed: it waits on rank {q} "
                          "of its pipeline replica")
     return [r for r in flagged if r not in explained]
+
+
+@dataclass
+class PipelineWaits:
+    """How long each rank waited at its point-to-point exchanges for each peer (ns, over the steady steps).
+
+    A pair's earlier arrival waits for the later one, sender or receiver alike; a pipeline's shape makes
+    some stages wait on others by design, so a pair's wait is judged against the same pair of stages in
+    the other pipeline replicas."""
+
+    layout: Any
+    wait: dict[tuple[int, int], int]
+
+    def excess(self, waiter: int, awaited: int) -> int:
+        """``waiter``'s wait for ``awaited`` beyond the median of the same stages' pairs in other replicas."""
+        a, b = self.layout.coords(waiter), self.layout.coords(awaited)
+        others = [self.wait.get((self.layout.rank_of(a.pp, dp, a.tp), self.layout.rank_of(b.pp, dp, b.tp)), 0)
+                  for dp in range(self.layout.dp) if dp != a.dp]
+        return self.wait.get((waiter, awaited), 0) - (int(np.median(others)) if others else 0)
+
+    def waits_on(self, r: int, q: int) -> bool:
+        """``r`` waited for ``q`` at their exchanges (beyond the pipeline's shape), and twice as long as the reverse."""
+        there = self.excess(r, q)
+        return there > 0 and there >= WAIT_DOMINANCE * max(self.excess(q, r), 0)
+
+
+def pipeline_waits(trace: TraceSet, ix: RecordIndex, it: Iterations, te: np.ndarray, steps: list[int]) -> PipelineWaits:
+    """Per ordered pair (waiter, awaited), the time ``waiter`` entered their matched exchanges first."""
+    s, r = ix.send_row, ix.recv_row
+    both = np.flatnonzero((s >= 0) & (r >= 0))
+    s, r = s[both], r[both]
+    keep = np.isin(it.record_step[r], steps) & (te[s] > 0) & (te[r] > 0)
+    s, r = s[keep], r[keep]
+    rank = trace.records.rank.astype(np.int64)
+    lag = te[r].astype(np.int64) - te[s].astype(np.int64)  # > 0: the sender arrived first and waited
+    waiter = np.where(lag > 0, rank[s], rank[r])
+    awaited = np.where(lag > 0, rank[r], rank[s])
+    keys, inverse = np.unique(waiter * trace.world_size + awaited, return_inverse=True)
+    sums = np.bincount(inverse, weights=np.abs(lag), minlength=len(keys))
+    wait = {(int(k) // trace.world_size, int(k) % trace.world_size): int(v) for k, v in zip(keys, sums)}
+    return PipelineWaits(trace.layout, wait)
 
 
 def _waits_seen(trace: TraceSet) -> bool:
@@ -511,7 +561,8 @@ def analyze_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Ite
     by_compute = judge(stats, step_ns)
     bursts = [r for r in judge_bursts(stats, int(step_ns * len(steps))) if r not in by_compute]
     flagged, explained = _explain_neighbours(trace, stats, by_compute + bursts, notes)
-    flagged = _explain_late_downstream(trace, stats, flagged, by_compute, explained, notes)
+    waits = functools.cache(lambda: pipeline_waits(trace, ix, it, te, steps))
+    flagged = _explain_late_downstream(trace, stats, flagged, by_compute, explained, notes, waits)
     pairs, delay, slow_ranks, slow_links = analyze_links(trace, ix, c, it, te, tc, steps)
     if len(steps) < MIN_STEPS:
         notes.append(f"only {len(steps)} steady steps: too few to judge stragglers")
