@@ -17,7 +17,7 @@ from megatrace.config import ORDERS
 from megatrace.demo.engines import DEFAULT_ENGINE, ENGINES
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-TRACE_FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector")  # = analyze.importers.FORMATS
+TRACE_FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector", "job-log")  # = analyze.importers.FORMATS
 
 
 _ENGINES_HELP = "\b\nEngines (--engine; the sizes each one takes in brackets):\n" + "".join(
@@ -153,6 +153,7 @@ Examples:
   megatrace analyze traces/ --fail-on error || echo "job needs attention"
   megatrace analyze traces/ --quick        # a hung job: who is stuck, in seconds
   megatrace analyze fr-dumps/ -o /tmp/job-1234   # everything it writes goes there
+  megatrace analyze slurm-1234.out         # a job never traced: its output log's NCCL watchdog lines
 
 \b
 Output: findings.json, report.html, trace.json and job.yaml go to --out: by default TRACE_DIR
@@ -166,7 +167,7 @@ Exit status:
   2  bad command-line usage
   3  a finding at or above --fail-on severity
 """)
-@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.argument("trace_dir", type=click.Path(path_type=str))
 @click.option("--layout", "layout_file", type=click.Path(dir_okay=False, exists=True),
               help="Parallel layout YAML [default: DIR/layout.yaml when present].")
 @click.option("--tp", type=click.IntRange(1), help="Tensor-parallel size (instead of --layout).")
@@ -188,14 +189,16 @@ Exit status:
 @click.option("--format", "trace_format", default="auto", show_default=True,
               type=click.Choice(TRACE_FORMATS),
               help="Input format: MegaTrace rings, PyTorch Flight Recorder dumps, Megatrace NCCL-patch logs "
-                   "(rank_<R>.log) or NCCL Inspector JSON lines; auto detects it (docs/importers.md).")
+                   "(rank_<R>.log), NCCL Inspector JSON lines or a job's output log (PyTorch's NCCL watchdog "
+                   "lines; TRACE_DIR may then be the file); auto detects it (docs/importers.md).")
 def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
             out_dir: str | None, json_path: str | None, fail_on: str | None, quick: bool, no_report: bool,
             trace_format: str) -> None:
     """Analyze a trace directory: name the rank, group or link that hung or failed the job.
 
     TRACE_DIR holds the ring files (in TRACE_DIR/rings/ or directly), and optionally
-    layout.yaml and procs.json. The verdict is printed first; every finding goes to
+    layout.yaml and procs.json; or another tool's trace (--format), or it is a job's
+    output log (slurm-<id>.out), read for the NCCL watchdog's positions. The verdict is printed first; every finding goes to
     findings.json (schema: docs/findings-schema.md). With --quick, a slow job is not
     diagnosed (stragglers and the critical path need whole iterations).
     """
@@ -225,7 +228,7 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
                   else "every record (imported traces are read whole)")
         click.echo(f"quick analysis: hang localisation from {source}"
                    + (f"; not run: {', '.join(skipped)}" if skipped else ""), err=True)
-    click.echo(render_summary(result))
+    click.echo(render_summary(result, out_dir=out))
     target = json_path or str(out / "findings.json")
     result.results["command"] = _analyze_command(trace_dir, layout_file, tp, pp, dp, quick)  # shown in the report
     if trace_format != "auto":
@@ -259,7 +262,7 @@ Examples:
   megatrace export megatrace-demo-hang/ --perfetto -o trace.json
   megatrace export fr-dumps/ --format flight-recorder --perfetto -o /tmp/fr.json
 """)
-@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.argument("trace_dir", type=click.Path(path_type=str))
 @click.option("--perfetto", is_flag=True, help="Write a Chrome / Perfetto trace (JSON trace events; the only "
               "export format so far).")
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=str), default="trace.json",

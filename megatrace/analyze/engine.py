@@ -269,7 +269,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
         ctx.findings.extend(config_findings(job))
     run = stages if stages is not None else STAGES
     keep = None
-    if quick or trace.completion_times == "inferred":  # (guessed completions would invent stragglers)
+    if quick or trace.completion_times in ("inferred", "order"):  # (guessed completions would invent stragglers)
         keep = HANG_MODE_STAGES
     elif trace.completion_times == "arrivals":  # compute between calls is known, transfer times are not
         keep = HANG_MODE_STAGES | {"stragglers"}

@@ -58,7 +58,14 @@ def _last_op_text(trace: TraceSet, hang: HangAnalysis, rank: int) -> str:
     state = int(rec.state[row])
     ago = hang.end_ns - hang.last_activity.get(rank, hang.end_ns)
     verb = "completed" if state == 2 else "failed" if state == 3 else "was entered"
+    if not timed(trace):
+        return f"its last op, {label}, {verb}"
     return f"its last op, {label}, {verb} {duration(ago)} before the end of the trace"
+
+
+def timed(trace: TraceSet) -> bool:
+    """The trace has times (a job log gives the order of calls only: nothing is said of how long ago)."""
+    return trace.completion_times != "order"
 
 
 def _phase_text(trace: TraceSet, rank: int) -> str:
@@ -111,7 +118,8 @@ def _stop_text(trace: TraceSet, hang: HangAnalysis, rank: int) -> str:
     """What is known of a stopped rank: its last op, its process, what the input says of its stop."""
     status = hang.status.get(rank)
     if status == RankStatus.MISSING:
-        return "it has no trace (its ring file is missing), so why is unknown"
+        note = trace.facts.notes.get(rank)
+        return note if note else "it has no trace (its ring file is missing), so why is unknown"
     live = hang.liveness.frozen.get(rank) or hang.liveness.crashed.get(rank)
     if live:  # what its process says: stopped, wedged or gone
         return f"{live}; {_last_op_text(trace, hang, rank)}"
@@ -181,7 +189,7 @@ def _verdict(trace: TraceSet, kind: Kind, root: RootCause, n_wait: int, hosts: l
                 Kind.CRASHED_PROCESS: f"{who} crashed",
                 Kind.EXITED_EARLY: f"{who} exited early",
                 Kind.NO_TRACE: f"{who} has no trace"}[kind]
-        if root.silence_ns is not None and kind != Kind.NO_TRACE:
+        if root.silence_ns is not None and kind != Kind.NO_TRACE and timed(trace):
             head += f" {duration(root.silence_ns)} before the end of the trace"
         return f"{head}; {waiting} for {'it' if len(root.ranks) == 1 else 'them'}{what}" if n_wait else head
     if kind == Kind.DEADLOCK:
@@ -220,7 +228,7 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
         if root.kind == "instance" and root.detail is not None:
             evidence += _instance_evidence(trace, hang, root)
         for r in root.waiters[:MAX_EVIDENCE]:
-            waits = "; ".join(_wait_text(hang, w) for w in hang.waits.get(r, ()))
+            waits = "; ".join(_wait_text(hang, w, timed(trace)) for w in hang.waits.get(r, ()))
             if waits:
                 evidence.append(f"rank {r} waits in {waits}")
         if len(root.waiters) > MAX_EVIDENCE:
@@ -229,7 +237,7 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
         if victims:
             evidence.append(f"ranks {rank_list(victims)} then exited with errors too: their calls failed once "
                             "the culprit stopped (consequences, not causes)")
-        if root.usual_gap_ns and root.silence_ns is not None:
+        if root.usual_gap_ns and root.silence_ns is not None and timed(trace):
             evidence.append(f"stopped {duration(root.silence_ns)} before the end of the trace; its usual gap "
                             f"between calls is {duration(root.usual_gap_ns)} (p95)")
         confidence = BASE_CONFIDENCE.get(kind, 0.7) * (0.5 + 0.5 * coverage) * (1.0 if root.confirmed else 0.5)
@@ -303,12 +311,14 @@ def _instance_evidence(trace: TraceSet, hang: HangAnalysis, root: RootCause) -> 
     arrivals = sorted((int(te[row]), r) for r, row in d.rows.items())
     first = arrivals[0][0] if arrivals else 0
     order = ", ".join(f"rank {r} +{duration(t - first)}" for t, r in arrivals[:MAX_EVIDENCE])
-    return ["members by host: " + "; ".join(f"{h}: {rank_list(rs)}" for h, rs in sorted(by_host.items())),
-            f"arrival order: {order}" + (" …" if len(arrivals) > MAX_EVIDENCE else "")]
+    hosts = "members by host: " + "; ".join(f"{h}: {rank_list(rs)}" for h, rs in sorted(by_host.items()))
+    if not timed(trace):
+        return [hosts]
+    return [hosts, f"arrival order: {order}" + (" …" if len(arrivals) > MAX_EVIDENCE else "")]
 
 
-def _wait_text(hang: HangAnalysis, w: Wait) -> str:
-    text = w.label + f" since {duration(hang.end_ns - w.since_ns)} before the end"
+def _wait_text(hang: HangAnalysis, w: Wait, timed: bool = True) -> str:
+    text = w.label + (f" since {duration(hang.end_ns - w.since_ns)} before the end" if timed else "")
     if w.failed:
         text += " (failed)"
     if w.outstanding_async:

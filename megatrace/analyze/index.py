@@ -30,6 +30,8 @@ I64_MAX = np.iinfo(np.int64).max
 
 
 def op_name(op: int) -> str:
+    if op == Op.UNKNOWN:
+        return "collective"  # (an imported call whose op its input does not say)
     try:
         return Op(op).label
     except ValueError:

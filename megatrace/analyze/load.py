@@ -439,7 +439,12 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
     if not directory.exists():
         raise TraceLoadError(f"{directory}: no such directory")
     if not directory.is_dir():
-        raise TraceLoadError(f"{directory}: not a directory (expected a MegaTrace trace directory)")
+        if format in ("auto", "job-log"):  # one file: a job's output log (docs/importers.md)
+            from megatrace.analyze.importers import import_trace
+
+            return import_trace(directory, "job-log", layout)
+        raise TraceLoadError(f"{directory}: not a directory: a trace of format {format} is a directory (one file is "
+                             f"read only as a job output log, --format job-log)")
     files, earlier = _ring_files(directory) if format in ("auto", "rings") else ([], [])
     if not files and format != "rings":  # foreign formats: Flight Recorder, NCCL logs, Inspector (docs/importers.md)
         from megatrace.analyze.importers import detect_format, import_trace

@@ -304,7 +304,8 @@ def _explain_neighbours(trace: TraceSet, stats: dict[int, RankStats], flagged: l
 
 
 def _explain_late_downstream(trace: TraceSet, stats: dict[int, RankStats], flagged: list[int], by_compute: list[int],
-                             explained: dict[int, int], notes: list[str], waits: Callable[[], PipelineWaits]) -> list[int]:
+                             explained: dict[int, int], notes: list[str],
+                             waits: Callable[[], PipelineWaits]) -> list[int]:
     """Unflag ranks that arrive late only because a slow stage of their pipeline replica feeds them.
 
     A rank flagged for arriving last in bursts while it computes at its peers' speed, in the pipeline

@@ -12,9 +12,10 @@ MAX_OTHER = 10  # other findings listed by the terminal summary (all are in find
 MAX_EVIDENCE = 4  # evidence lines shown under the verdict
 
 
-def render_summary(result: AnalysisResult, shown_path: Path | None = None) -> str:
+def render_summary(result: AnalysisResult, shown_path: Path | None = None, out_dir: Path | None = None) -> str:
     """Plain text for a terminal; the first line is the verdict. ``shown_path``: the trace directory's
-    name for people, when the analysis read it through another path (a descriptor under /proc)."""
+    name for people, when the analysis read it through another path (a descriptor under /proc); ``out_dir``:
+    where job.yaml was written (default: the trace directory)."""
     lines: list[str] = []
     top = result.verdict
     if top is None:
@@ -39,7 +40,7 @@ def render_summary(result: AnalysisResult, shown_path: Path | None = None) -> st
     if job is not None:
         from megatrace.jobconfig import describe
 
-        lines.append(f"job: {describe(job)} (all fields and sources: {where / 'job.yaml'})")
+        lines.append(f"job: {describe(job)} (all fields and sources: {(out_dir or where) / 'job.yaml'})")
     others = result.findings[1:]
     shown = [f for f in others if f.severity != Severity.INFO][:MAX_OTHER] or others[:MAX_OTHER]
     if shown:

@@ -196,7 +196,8 @@ class TraceSet:
     world_source: str = "ring headers (torch.distributed world size)"  # where world_size came from
     completion_times: str = "observed"  # "arrivals": an imported format whose calls complete, as far as it
     #   knows, at their instance's last arrival (stragglers are judged call by call, no critical path);
-    #   "inferred": coarser estimates, no timing stage runs on it (docs/importers.md)
+    #   "inferred": coarser estimates, no timing stage runs on it; "order": no times at all, only the order of
+    #   calls (a job log): the same, and the findings say nothing of durations (docs/importers.md)
 
     def __post_init__(self) -> None:
         self._pos = {int(r): i for i, r in enumerate(self.ranks)}

@@ -1,4 +1,5 @@
-"""Importers of foreign trace formats: Flight Recorder dumps, Megatrace NCCL-patch logs, NCCL Inspector lines.
+"""Importers of foreign trace formats: Flight Recorder dumps, Megatrace NCCL-patch logs, NCCL Inspector lines,
+job output logs.
 
 Each importer turns its files into the same :class:`~megatrace.analyze.traceset.TraceSet` that
 ring files give, so analysis does not know where a trace came from. ``load_trace(DIR, format=...)``
@@ -27,7 +28,7 @@ def not_a_trace(directory: Path) -> str:
             f"files (rank-NNNNN.ring, in it or its rings/ subdirectory), PyTorch Flight Recorder dumps (pickle or "
             f"JSON files named with the rank at the end, e.g. nccl_trace_rank_0), Megatrace NCCL-patch logs "
             f"(rank_<R>.log of '[save_count N] ...' or '[SEC.NSEC] [Rank R] Fun ...' lines) or NCCL Inspector JSON lines (objects with header and "
-            f"coll_perf), in it or its subdirectories one level down; --format FORMAT reads it as one format and says "
+            f"coll_perf), in it or its subdirectories one level down, or job output logs (slurm-<id>.out, in it; any one file given as the argument); --format FORMAT reads it as one format and says "
             f"what its files lack (FORMAT: {', '.join(f for f in FORMATS if f != 'auto')})")
 
 
@@ -54,4 +55,8 @@ def import_trace(directory: str | Path, fmt: str = "auto", layout: Layout | None
         from megatrace.analyze.importers.inspector import load_inspector
 
         return load_inspector(directory, layout)
+    if fmt == "job-log":
+        from megatrace.analyze.importers.job_log import load_job_log
+
+        return load_job_log(directory, layout)
     raise TraceLoadError(f"{directory}: unknown trace format {fmt!r} (one of {', '.join(FORMATS)})")

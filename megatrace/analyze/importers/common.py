@@ -287,6 +287,8 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
     if inferred:
         skipped = ("the critical path needs real completion times and was not run; stragglers are judged from "
                    "arrivals" if completions == "arrivals" else
+                   "no timing analysis runs on it (critical path, stragglers, slow links)" if completions == "order"
+                   else
                    "the critical path and the straggler analysis need real completion times and were not run")
         problems.append(LoadProblem("info", "inferred-completions", f"{source}: {inferred}; {skipped}"))
     return TraceSet(path=directory, job_id=source, world_size=world, ranks=np.array(present, dtype=np.int64),

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from megatrace.analyze.traceset import LoadProblem, TraceLoadError
 
-FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector")
+FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector", "job-log")
+SLURM_OUTPUT = re.compile(r"^slurm-\d+(?:_\d+)?\.out$")  # sbatch's default output file name
 NCCL_LOG_RE = re.compile(r"^rank_(\d+)\.log$")
 NCCL_LOG_LIKE = re.compile(r"^rank_.*\.log$")  # named like a rank's NCCL log (maybe without a usable rank)
 NCCL_LINE = b"[save_count "
@@ -53,7 +54,10 @@ def looks_like_inspector(path: Path) -> bool:
 
 
 def detect_format(directory: Path) -> str | None:
-    """``rings``, ``flight-recorder``, ``nccl-log``, ``inspector`` or None (nothing recognised).
+    """``rings``, ``flight-recorder``, ``nccl-log``, ``inspector``, ``job-log`` or None (nothing recognised).
+
+    Job output logs are recognised by sbatch's file name (``slurm-<id>.out``) and only where no trace is: the
+    lines that matter come at a log's end, past what sniffing reads.
 
     Ring files win (a demo directory also holds the dumps of its opt-in Flight Recorder hook); two
     foreign formats side by side are an error: the user says which one with ``--format``.
@@ -71,6 +75,8 @@ def detect_format(directory: Path) -> str | None:
         found.append("flight-recorder")
     if any(any(looks_like_inspector(p) for p in _files(w)) for w in places):
         found.append("inspector")
+    if not found and any(SLURM_OUTPUT.match(p.name) for p in _files(directory)):
+        found.append("job-log")
     if len(found) > 1:
         raise TraceLoadError(f"{directory}: more than one trace format in it ({', '.join(found)}); analyse one "
                              f"at a time: --format {' or --format '.join(found)}")
