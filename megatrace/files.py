@@ -166,6 +166,28 @@ def create_private(dir_fd: int, name: str, flags: int = os.O_RDWR) -> int:
     return os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
 
 
+def move_aside(dir_fd: int, name: str, *also: str) -> None:
+    """Keep an earlier attempt's ``name`` (and its companions ``also``) as ``name.K``, K the first free number,
+    so that the new file can be created with O_EXCL: a writer never overwrites what a previous run left."""
+    if not _exists(name, dir_fd):
+        return
+    k = 1
+    while _exists(f"{name}.{k}", dir_fd):
+        k += 1
+    os.rename(name, f"{name}.{k}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    for other in also:
+        if _exists(other, dir_fd):
+            os.rename(other, f"{other}.{k}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 # -- inputs -----------------------------------------------------------------------------------------
 
 def open_input(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:

@@ -19,21 +19,13 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrace.files import create_private, private_dir
+from megatrace.files import create_private, move_aside, private_dir
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.warnings import warn_once
 
 
 class RingOpenError(OSError):
     """The ring file could not be created; the message names the path and the reason."""
-
-
-def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -110,13 +102,7 @@ class RingWriter:
                                            f"{exc.strerror or exc}") from None
         try:
             try:
-                if _exists(ring, dfd):  # a previous attempt of the same rank: keep it, never overwrite
-                    n = 1
-                    while _exists(f"{ring}.{n}", dfd):
-                        n += 1
-                    os.rename(ring, f"{ring}.{n}", src_dir_fd=dfd, dst_dir_fd=dfd)
-                    if _exists(meta, dfd):
-                        os.rename(meta, f"{meta}.{n}", src_dir_fd=dfd, dst_dir_fd=dfd)
+                move_aside(dfd, ring, meta)  # a previous attempt of the same rank: keep it, never overwrite
                 fd = create_private(dfd, ring)
             except OSError as exc:
                 raise RingOpenError(exc.errno, f"cannot create ring file {self.path}: {exc.strerror}") from None

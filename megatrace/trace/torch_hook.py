@@ -36,6 +36,7 @@ from megatrace.trace import ring_format as fmt
 from megatrace.trace.completion import CompletionPoller, Handle, UnwaitedSweeper
 from megatrace.trace.environment import filter_env, job_inputs, library_versions
 from megatrace.trace.heartbeat import Heartbeat
+from megatrace.trace.init_marker import write_marker
 from megatrace.trace.ring_writer import RingIdentity, RingOpenError, RingWriter
 from megatrace.trace.settings import TracerSettings
 from megatrace.trace.warnings import warn_once
@@ -469,6 +470,8 @@ def _make_wait_wrapper(orig: Any, tracer: Tracer) -> Any:
 
 def _make_lifecycle_wrapper(orig: Any, tracer: Tracer, after: str) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if after == "init" and tracer.writer is None:  # a rank stuck in its rendezvous leaves this much
+            write_marker(args, kwargs)
         result = orig(*args, **kwargs)
         try:
             if after == "init":
