@@ -52,6 +52,7 @@ from typing import Any, Callable
 from megatrace.collect import safefs
 from megatrace.collect.node import TRACE_FILE_RE, foreign_files, process_facts, rank_prefix
 from megatrace.trace import ring_format as fmt
+from megatrace.trace.init_marker import MAX_MARKER_BYTES, InitMarker, marker_name, parse_marker
 
 TAIL = 64  # newest records read per ring and poll: enough to see what is outstanding
 DEFAULT_HANG_TIMEOUT_S = 300.0
@@ -143,6 +144,27 @@ def assess_rank(obs: RankObservation, now_ns: int, hang_timeout_s: float, alive:
     return RankVerdict(obs.rank, PROGRESSING, f"last activity {idle:.1f} s ago", idle)
 
 
+def assess_marker(mk: InitMarker, now_ns: int, hang_timeout_s: float, alive: bool | None = None) -> RankVerdict:
+    """A rank with a start marker and no ring: in ``init_process_group`` since the marker (pure).
+
+    Stuck there longer than ``hang_timeout_s`` is a stall like any other: the job cannot have started."""
+    waited = max(0, now_ns - mk.t_mono_ns) / 1e9
+    if alive is False:
+        return RankVerdict(mk.rank, EXITED, f"process {mk.pid} is gone, inside init_process_group (crashed or "
+                                            f"killed)", waited)
+    if waited > hang_timeout_s:
+        return RankVerdict(mk.rank, STALLED, f"in init_process_group for {waited:.0f} s: the rendezvous at "
+                                             f"{mk.endpoint} has not completed (stuck before communication "
+                                             f"started)", waited)
+    return RankVerdict(mk.rank, PROGRESSING, f"in init_process_group for {waited:.0f} s", waited)
+
+
+def marker_observation(mk: InitMarker, name: str) -> RankObservation:
+    """The :class:`RankObservation` of a marker: no record yet, last activity at its writing."""
+    return RankObservation(mk.rank, mk.pid, name, False, 0, mk.t_mono_ns, anchor_wall_ns=mk.t_wall_ns,
+                           anchor_mono_ns=mk.t_mono_ns, host=mk.host, job_id=mk.job_id)
+
+
 def node_state(verdicts: list[RankVerdict]) -> str:
     """SUSPECT when every unfinished rank is stalled or exited; HEALTHY when one progresses (pure)."""
     if not verdicts:
@@ -198,21 +220,30 @@ def job_confirmed(statuses: list[AgentStatus], now_wall_ns: int, stale_s: float,
 
 # -- the loop ----------------------------------------------------------------------------------
 
-def _ring_names(dir_fd: int) -> list[str]:
-    """Current rings (rank-N.ring, not earlier attempts) of the directory."""
+def _ring_names(dir_fd: int, kind: str = "ring") -> list[str]:
+    """Current rings (rank-N.ring, not earlier attempts) of the directory; ``kind="init"``: start markers."""
     out = []
     for n in safefs.list_dir(dir_fd):
         m = TRACE_FILE_RE.match(n)
-        if m and m.group(2) == "ring" and not m.group(3):
+        if m and m.group(2) == kind and not m.group(3):
             out.append(n)
     return out
+
+
+def _read_marker(dfd: int, name: str) -> InitMarker | None:
+    try:
+        mk = parse_marker(safefs.read_file(dfd, name, MAX_MARKER_BYTES))
+    except OSError:
+        return None
+    return mk if mk is not None and name == marker_name(mk.rank) else None
 
 
 def scan(ring_dir: str | None, now_ns: int, hang_timeout_s: float,
          liveness: Callable[..., bool | None] | None = None,
          node: str | None = None, job_id: str | None = None,
          uid: int | None = None) -> tuple[list[RankVerdict], list[RankObservation]]:
-    """Read the tail of every ring of ``ring_dir`` and assess each rank; unreadable rings are skipped.
+    """Read the tail of every ring of ``ring_dir`` and assess each rank; unreadable rings are skipped. A rank
+    with a start marker and no ring (in ``init_process_group``) is assessed from its marker.
 
     ``node``: keep only the rings this node wrote when the directory also holds other nodes' (see
     :func:`megatrace.collect.node.foreign_files`). ``job_id``: keep only the rings whose header names
@@ -254,6 +285,15 @@ def scan(ring_dir: str | None, now_ns: int, hang_timeout_s: float,
             observations.append(obs)
             verdicts.append(assess_rank(obs, now_ns, hang_timeout_s, alive))
             hosts[name] = obs.host
+        with_ring = {o.rank for o in observations}
+        for name in _ring_names(dfd, "init"):  # ranks in init_process_group: no ring yet
+            mk = _read_marker(dfd, name)
+            if mk is None or mk.rank in with_ring or (job_id and mk.job_id != job_id):
+                continue
+            alive = liveness(mk.pid, mk.t_mono_ns, owner) if liveness else None
+            observations.append(marker_observation(mk, name))
+            verdicts.append(assess_marker(mk, now_ns, hang_timeout_s, alive))
+            hosts[name] = mk.host
     finally:
         os.close(dfd)
     if node:  # a directory shared by several virtual nodes: watch only this node's ranks

@@ -178,6 +178,13 @@ class BundleWriter:
                 self.procs[str(ring["rank"])] = {"pid": pid, "node": node, "exit_code": None, "signal": None,
                                                  "alive": proc.get("alive"), "state": proc.get("state_name"),
                                                  "wchan": proc.get("wchan"), "tracer_closed": ring.get("closed")}
+        # Ranks without a ring yet: in init_process_group (start markers), or not there yet (the step's processes).
+        for key, flag in (("init_ranks", "in_init_process_group"), ("before_init_ranks", "before_init_process_group")):
+            for rank, pid in (facts.get(key) or {}).items():
+                proc = (facts.get("procs") or {}).get(str(pid), {})
+                self.procs.setdefault(str(rank), {"pid": pid, "node": node, "exit_code": None, "signal": None,
+                                                  "alive": proc.get("alive"), "state": proc.get("state_name"),
+                                                  "wchan": proc.get("wchan"), flag: True})
         for skipped in facts.get("skipped") or []:
             self.problems.append(f"node {node}: {skipped['name']} not collected: {skipped['reason']}")
 
@@ -225,7 +232,9 @@ class BundleWriter:
             "nodes": {"expected": expected_nodes, "collected": collected,
                       "without_traces": sorted(e.node for e in self.entries if not e.error and not e.files),
                       "missing": missing_nodes},
-            "ranks": {"world_size": world, "collected": len(have), "missing": missing_ranks},
+            "ranks": {"world_size": world, "collected": len(have), "missing": missing_ranks,
+                      "in_init_process_group": sorted(int(r) for r, p in self.procs.items()
+                                                      if p.get("in_init_process_group"))},
             "mpi_ranks_missing": self.missing,
             "problems": self.problems,
             "files": self.files,

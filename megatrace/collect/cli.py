@@ -128,6 +128,9 @@ def _print(doc: dict) -> None:
         click.echo(f"  missing: {m['node']}: {m['reason']}", err=True)
     if ranks["missing"]:
         click.echo(f"  ranks without a ring: {ranks['missing'][:32]}", err=True)
+    if ranks.get("in_init_process_group"):
+        click.echo(f"  ranks still in init_process_group (no ring yet): {ranks['in_init_process_group'][:32]}",
+                   err=True)
     a = doc.get("analysis") or {}
     if a.get("verdict"):
         click.echo(f"VERDICT {a['verdict']}")

@@ -23,16 +23,19 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatrace.collect import safefs
 from megatrace.trace import ring_format as fmt
+from megatrace.trace.init_marker import MAX_MARKER_BYTES, InitMarker, parse_marker
 
-TRACE_FILE_RE = re.compile(r"^rank-(\d+)\.(ring|meta\.jsonl)(\.\d+)?$")
+TRACE_FILE_RE = re.compile(r"^rank-(\d+)\.(ring|meta\.jsonl|init)(\.\d+)?$")  # .init: trace/init_marker.py
 RING_LIMIT = fmt.file_size(fmt.MAX_CAPACITY)  # the largest legal ring file
 META_LIMIT = 64 << 20  # a meta file is a few KiB; refuse anything absurd
+RESOLVE_TIMEOUT_S = 3.0  # a rendezvous name's lookup, and a connection to it
 STACK_TIMEOUT_S = 10.0  # py-spy attaches and unwinds in well under a second per process
 KMSG_PATTERN = re.compile(r"NVRM: Xid|Out of memory|oom-kill|hung_task|blocked for more than|segfault", re.I)
 KMSG_MAX_LINES = 200
@@ -142,7 +145,7 @@ def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[dict[
             m = TRACE_FILE_RE.match(name)
             if not m:
                 continue
-            limit = RING_LIMIT if m.group(2) == "ring" else META_LIMIT
+            limit = {"ring": RING_LIMIT, "init": MAX_MARKER_BYTES}.get(m.group(2), META_LIMIT)
             try:
                 files[name] = safefs.read_file(dfd, name, limit)
             except OSError as exc:
@@ -226,6 +229,91 @@ def process_facts(pid: int, ring_anchor_mono_ns: int | None = None, uid: int | N
             if line.startswith(("Threads:", "VmRSS:")):
                 key, _, value = line.partition(":")
                 out[key.lower()] = value.strip()
+    return out
+
+
+def init_markers(files: dict[str, bytes]) -> dict[int, InitMarker]:
+    """rank -> the start marker of each rank with no ring among ``files`` (current attempts only)."""
+    rings = {int(m.group(1)) for n in files if (m := TRACE_FILE_RE.match(n)) and m.group(2) == "ring"
+             and not m.group(3)}
+    out = {}
+    for name, blob in files.items():
+        m = TRACE_FILE_RE.match(name)
+        if m and m.group(2) == "init" and not m.group(3) and int(m.group(1)) not in rings:
+            mk = parse_marker(blob)
+            if mk is not None and mk.rank == int(m.group(1)):
+                out[mk.rank] = mk
+    return out
+
+
+def step_tasks(ring_dir: str, uid: int | None, known: set[int]) -> dict[int, int]:
+    """rank -> pid of this node's processes of the step that writes ``ring_dir`` (their ``MEGATRACE_DIR``, set per
+    step by the SPANK plugin) other than ``known``: the ranks that have not reached init_process_group.
+
+    Only processes of ``uid`` (the ring directory's owner) are looked into; a launcher (a process whose child is
+    also the step's) stands for nothing; the rank is ``RANK``, else ``SLURM_PROCID``."""
+    if uid is None or not ring_dir:
+        return {}
+    want = b"MEGATRACE_DIR=" + os.fsencode(ring_dir)
+    found: dict[int, tuple[int, int]] = {}  # pid -> (rank, parent)
+    try:
+        pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids[:65536]:
+        if pid in known or pid == os.getpid():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        env = (_read_proc(pid, "environ") or b"").split(b"\0")
+        if want not in env:
+            continue
+        vars_ = dict(v.split(b"=", 1) for v in env if b"=" in v)
+        rank = vars_.get(b"RANK") or vars_.get(b"SLURM_PROCID") or b""
+        stat_raw = _read_proc(pid, "stat") or b""
+        fields = stat_raw[stat_raw.rfind(b")") + 2:].split()
+        if rank.isdigit() and len(fields) > 1 and fields[1].isdigit():
+            found[pid] = (int(rank), int(fields[1]))
+    parents = {parent for _, parent in found.values()}
+    return {rank: pid for pid, (rank, _) in sorted(found.items()) if pid not in parents}
+
+
+def rendezvous_facts(endpoints: set[tuple[str, int | None]], timeout: float = RESOLVE_TIMEOUT_S) -> dict[str, Any]:
+    """Per rendezvous ``ADDR:PORT`` the ranks of this node try to reach: does the name resolve here, and does
+    anything accept a connection there? Each check bounded by ``timeout`` (a resolver can hang)."""
+    out: dict[str, Any] = {}
+    for addr, port in sorted(endpoints, key=str)[:8]:
+        out[f"{addr}:{port if port is not None else '?'}"] = _reach(addr, port, timeout)
+    return out
+
+
+def _reach(addr: str, port: int | None, timeout: float) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+
+    def resolve() -> None:
+        try:
+            infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+            result["addresses"] = sorted({i[4][0] for i in infos})[:8]
+        except (OSError, UnicodeError) as exc:
+            result["error"] = str(getattr(exc, "strerror", None) or exc)
+
+    worker = threading.Thread(target=resolve, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return {"resolves": False, "error": f"the resolver did not answer within {timeout:.0f} s"}
+    if "error" in result:
+        return {"resolves": False, "error": result["error"]}
+    out: dict[str, Any] = {"resolves": True, "addresses": result["addresses"]}
+    if port is not None and result["addresses"]:
+        try:
+            with socket.create_connection((result["addresses"][0], port), timeout=timeout):
+                out["connects"] = True
+        except OSError as exc:
+            out["connects"], out["connect_error"] = False, exc.strerror or str(exc)
     return out
 
 
@@ -372,6 +460,20 @@ def snapshot_node(ring_dir: str | None, node: str | None = None, stacks: bool = 
         pid = ring.get("pid")
         if isinstance(pid, int) and pid > 0 and str(pid) not in procs:
             procs[str(pid)] = process_facts(pid, ring.get("anchor_mono_ns"), facts.get("ring_dir_uid"))
+    markers = init_markers(snap.files)
+    for mk in markers.values():  # ranks still in (or stuck in) init_process_group: no ring yet
+        if str(mk.pid) not in procs:
+            procs[str(mk.pid)] = process_facts(mk.pid, mk.t_mono_ns, facts.get("ring_dir_uid"))
+    if markers:
+        facts["init_ranks"] = {str(r): mk.pid for r, mk in sorted(markers.items())}
+        known = {int(p) for p in procs} | {mk.pid for mk in markers.values()}
+        before = step_tasks(ring_dir or "", facts.get("ring_dir_uid"), known)
+        for r, pid in before.items():  # the step's ranks that never reached init_process_group
+            procs[str(pid)] = process_facts(pid, None, facts.get("ring_dir_uid"))
+        if before:
+            facts["before_init_ranks"] = {str(r): pid for r, pid in sorted(before.items())}
+        facts["rendezvous"] = rendezvous_facts({(m.master_addr, m.master_port) for m in markers.values()
+                                                if m.master_addr})
     facts["procs"] = procs
     if system:
         facts["gpu"] = gpu_facts()
