@@ -838,6 +838,55 @@ srun -N4 -n8 --overcommit {PYTHON} -m megatrace.demo --tp 2 --pp 2 --dp 2 --step
     assert (step / "report.html").stat().st_mtime - onset <= 30 + 60
 
 
+STUCK_TRAINER = """
+import datetime, os, time
+import torch.distributed as dist
+if os.environ["RANK"] == os.environ.get("BLOCK_RANK"):
+    time.sleep(3600)  # stuck in its own start-up (a lock, a slow load): never reaches init_process_group
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+"""
+
+
+def _stuck_job(tmp_path: Path, master_addr: str, block_rank: int | None) -> tuple[str, Path]:
+    """8 ranks of an unmodified env:// trainer whose rendezvous never completes; returns (job id, step dir)."""
+    (tmp_path / "train.py").write_text(STUCK_TRAINER)
+    script = f"""export MASTER_ADDR={master_addr} MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) OMP_NUM_THREADS=1
+export BLOCK_RANK={block_rank if block_rank is not None else ""}
+srun -N4 -n8 --overcommit bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS exec {PYTHON} {tmp_path}/train.py'
+"""
+    job = submit(script, tmp_path, "--megatrace=hang-timeout=30,on-hang=cancel", "-N4", "-n8", "--overcommit",
+                 "-t", "10")
+    info = wait_job(job, timeout=400)
+    assert info["JobState"] == "CANCELLED", output(tmp_path, job)[-2000:]
+    return job, tmp_path / f"megatrace-{job}" / "step-0"
+
+
+def _entered_init_wall_s(step: Path) -> float:
+    """When the last rank entered init_process_group (its start marker), in Unix seconds."""
+    return max(json.loads(p.read_text())["t_wall_ns"] for p in (step / "rings").glob("rank-*.init")) / 1e9
+
+
+@pytest.mark.slow
+def test_a_job_whose_rendezvous_address_does_not_resolve_is_reported_stuck_before_communication(lab, tmp_path):
+    job, step = _stuck_job(tmp_path, "no-such-node.invalid", None)
+    top = _top_finding(step)
+    assert top["kind"] == "startup-hang" and top["severity"] == "critical", top
+    assert "the rendezvous address no-such-node.invalid does not resolve on 4 nodes" in top["verdict"], top
+    assert sorted(top["subject"]["ranks"]) == list(range(8))
+    assert (step / "report.html").stat().st_mtime - _entered_init_wall_s(step) <= 30 + 60
+    assert "megatrace: hang confirmed" in output(tmp_path, job)
+
+
+@pytest.mark.slow
+def test_a_rank_blocked_before_init_process_group_is_named_by_the_report(lab, tmp_path):
+    job, step = _stuck_job(tmp_path, "127.0.0.1", 3)
+    top = _top_finding(step)
+    assert top["kind"] == "startup-hang" and top["subject"]["rank"] == 3, top
+    assert "rank 3 never reached init_process_group; 7 ranks wait there for it" in top["verdict"], top
+    assert (step / "report.html").stat().st_mtime - _entered_init_wall_s(step) <= 30 + 60
+    assert not list((step / "rings").glob("rank-*.ring"))
+
+
 def _demo_job(tmp_path: Path, fault: str, option: str, steps: int, *args: str, kill_on_bad_exit: bool = True) -> str:
     """Submit the demo (4 nodes, 8 ranks) with ``fault`` ('' for none); returns the job id."""
     fault_arg = f"--fault {fault}" if fault else ""

@@ -25,7 +25,7 @@ from typing import Any
 
 from megatrace.analyze import explain
 from megatrace.analyze.clock import ClockAlignment, align_clocks
-from megatrace.analyze.findings import Finding, Severity, findings_document, order_findings, write_findings_json
+from megatrace.analyze.findings import Finding, Kind, Severity, findings_document, order_findings, write_findings_json
 from megatrace.analyze.hang import TAIL, HangAnalysis, analyze_hangs
 from megatrace.analyze.index import index_records
 from megatrace.analyze.load import QUICK_TAIL, fit_layout, load_trace, widen_tails
@@ -280,6 +280,13 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
         t = time.perf_counter()
         ctx.findings.extend(stage(ctx))
         timings[name] = time.perf_counter() - t
+    if trace.init_markers:  # ranks stuck in init_process_group: before any record, so before any other verdict
+        from megatrace.analyze.startup import startup_findings
+
+        started = startup_findings(trace)
+        if started and not len(trace.ranks):  # (nothing was recorded: "no hang" would be the empty trace's)
+            ctx.findings = [f for f in ctx.findings if f.kind not in (Kind.HEALTHY, Kind.POSSIBLE_HANG)]
+        ctx.findings.extend(started)
     findings = order_findings(explain.trace_findings(trace, clock) + ctx.findings)
     timings["total"] = time.perf_counter() - t0
     return AnalysisResult(trace, clock, matched, findings, ctx.results, timings)

@@ -29,7 +29,7 @@ from megatrace.redact import redact_argv
 from megatrace.trace.environment import filter_env
 
 # Finding kinds that mean the job is stopped (a root cause of a hang).
-HANG_KINDS = ("compute-hang", "comm-hang", "crashed-process", "exited-early", "deadlock", "no-trace")
+HANG_KINDS = ("compute-hang", "comm-hang", "crashed-process", "exited-early", "deadlock", "no-trace", "startup-hang")
 # Finding kinds produced by the rules engine itself; not facts for rules.
 RULE_KINDS = ("rule", "rule-error")
 SEVERITIES = ("critical", "error", "warning", "info")

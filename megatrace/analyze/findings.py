@@ -56,6 +56,7 @@ class Kind(str, enum.Enum):
     COLLECTIVE_MISMATCH = "collective-mismatch"  # members disagree on op, size, dtype or root
     DEADLOCK = "deadlock"  # ranks wait on each other in a cycle (a program-order bug)
     NO_TRACE = "no-trace"  # others wait for a rank whose ring is missing: cause unknown
+    STARTUP_HANG = "startup-hang"  # ranks stuck in (or before) init_process_group: communication never started
     POSSIBLE_HANG = "possible-hang"  # ranks blocked at the end, but not for long: maybe in flight
     STALL = "stall"  # every rank alive but silent far longer than usual, and no rank to blame
     PARTIAL_STOP = "partial-stop"  # some ranks were still progressing while others were stuck

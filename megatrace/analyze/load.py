@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,7 @@ __all__ = ["QUICK_TAIL", "GroupInfo", "LoadProblem", "NodeFacts", "ProcFact", "R
            "TraceLoadError", "TraceSet", "extend_tails", "fit_layout", "load_trace", "tail_gaps", "widen_tails"]
 from megatrace.analyze import liveness
 from megatrace.analyze.index import RecordIndex, index_records
+from megatrace.analyze.startup import read_markers
 from megatrace.config import Layout, LayoutError, layout_from_dict
 from megatrace.files import open_input, read_fd, read_input, trusted_owner
 from megatrace.trace import ring_format as fmt
@@ -58,6 +60,7 @@ WIDEN_DEPTHS = (4096, None)  # records per rank re-read for ranks whose tail was
 
 SIDE_FILE_LIMIT = 16 << 20  # layout.yaml and procs.json are a few KiB
 RING_RE = re.compile(r"^rank-(\d+)\.ring$")
+MARKER_RE = re.compile(r"^rank-(\d+)\.init$")  # start markers (trace/init_marker.py, analyze/startup.py)
 EARLIER_RE = re.compile(r"^rank-(\d+)\.ring\.\d+$")
 
 
@@ -236,13 +239,20 @@ def _node_facts(directory: Path, problems: list[LoadProblem]) -> NodeFacts:
         procs = {}
         for key, p in (data.get("ranks") or {}).items():
             procs[int(key)] = ProcFact(int(key), p.get("pid"), p.get("exit_code"), p.get("signal"),
-                                       bool(p.get("killed_by_launcher", False)))
+                                       bool(p.get("killed_by_launcher", False)), _typed(p.get("alive"), bool),
+                                       _typed(p.get("state"), str), _typed(p.get("wchan"), str),
+                                       _typed(p.get("node"), str))
         return NodeFacts(procs, data.get("outcome"), data.get("message"))
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         problems.append(LoadProblem("warning", "procs", f"{path}: unreadable process facts ({why[:200]}); ignored",
                                     paths=(str(path),)))
         return NodeFacts()
+
+
+def _typed(value: Any, kind: type) -> Any:
+    """``value`` when it is a ``kind`` (a side file is input: a wrong type is dropped), else None."""
+    return value if isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)) else None
 
 
 def fit_layout(layout: Layout, world: int, source: str, problems: list[LoadProblem]) -> Layout | None:
@@ -446,6 +456,9 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
         raise TraceLoadError(f"{directory}: not a directory: a trace of format {format} is a directory (one file is "
                              f"read only as a job output log, --format job-log)")
     files, earlier = _ring_files(directory) if format in ("auto", "rings") else ([], [])
+    where, marker_names = _marker_files(directory) if format in ("auto", "rings") else (directory, [])
+    if not files and marker_names:  # ranks in init_process_group and none past it: stuck before communication
+        return _startup_trace(directory, where, marker_names, layout)
     if not files and format != "rings":  # foreign formats: Flight Recorder, NCCL logs, Inspector (docs/importers.md)
         from megatrace.analyze.importers import detect_format, import_trace
 
@@ -503,10 +516,43 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
     groups = _groups(metas, used, problems)
     facts = _node_facts(directory, problems)
     facts.probe = liveness.probe(infos)
+    markers = read_markers(where, marker_names, problems) if missing else {}
     return TraceSet(path=directory, job_id=job, world_size=world, ranks=np.array(present, dtype=np.int64),
                     rank_info=infos, starts=starts, records=records, groups=groups,
                     layout=_layout(directory, layout, world, problems), facts=facts,
-                    problems=problems, missing_ranks=missing, tail=tail, meta=metas)
+                    problems=problems, missing_ranks=missing, tail=tail, meta=metas,
+                    init_markers={r: m for r, m in markers.items() if r in missing})
+
+
+def _marker_files(directory: Path) -> tuple[Path, list[str]]:
+    """(where, names) of the start markers, in DIR/rings, then DIR."""
+    for candidate in (directory / "rings", directory):
+        if candidate.is_dir() and (not candidate.is_symlink() or trusted_owner(candidate.lstat().st_uid)):
+            with os.scandir(candidate) as it:
+                names = sorted(e.name for e in it if MARKER_RE.match(e.name) and _is_file(e))
+            if names:
+                return candidate, names
+    return directory, []
+
+
+def _startup_trace(directory: Path, where: Path, names: list[str], layout: Layout | None) -> TraceSet:
+    """A trace of start markers only: every rank stuck in (or before) init_process_group, no record."""
+    problems: list[LoadProblem] = []
+    _foreign_owner(directory, problems)
+    markers = read_markers(where, names, problems)
+    if not markers:
+        raise TraceLoadError(f"{where}: no ring files, and none of its {len(names)} start markers "
+                             f"(rank-NNNNN.init) is readable: {name_list(names, 3)}")
+    world = max(max((m.world_size or 0) for m in markers.values()), max(markers) + 1)
+    if world > fmt.MAX_WORLD_SIZE:
+        raise TraceLoadError(f"{where}: a start marker names a world of {world} ranks (at most {fmt.MAX_WORLD_SIZE})")
+    jobs = sorted({m.job_id for m in markers.values()})
+    return TraceSet(path=directory, job_id=jobs[0] if len(jobs) == 1 else ",".join(jobs[:4]), world_size=world,
+                    ranks=np.zeros(0, np.int64), rank_info=[], starts=np.zeros(1, np.int64),
+                    records=_Columns(0).finish(), groups={}, layout=_layout(directory, layout, world, problems),
+                    facts=_node_facts(directory, problems), problems=problems,
+                    missing_ranks=tuple(range(world)), meta={}, init_markers=markers,
+                    world_source="start markers (the world size init_process_group was called with)")
 
 
 _Loaded = tuple[Records, list[RankInfo], dict[int, list[dict]], dict[int, set[int]]]

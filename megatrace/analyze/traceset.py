@@ -15,6 +15,7 @@ from megatrace.config import Layout
 
 if TYPE_CHECKING:
     from megatrace.analyze.liveness import ProcessProbe
+    from megatrace.trace.init_marker import InitMarker
 
 MAX_LISTED = 12  # ranks or files named in one problem message before "and N more"
 HOST_BACKENDS = {"gloo", "mpi"}  # process-group backends that move host memory: no GPU is involved
@@ -115,6 +116,10 @@ class ProcFact:
     exit_code: int | None = None
     signal: str | None = None
     killed_by_launcher: bool = False
+    alive: bool | None = None  # what the collector saw of the process (None: not looked at)
+    state: str | None = None  # e.g. "sleeping"
+    wchan: str | None = None  # the kernel function it waits in
+    node: str | None = None  # where the collector saw it
 
     @property
     def crashed(self) -> bool:
@@ -194,6 +199,7 @@ class TraceSet:
     meta: dict[int, list[dict]] | None = None  # each loaded rank's meta entries, as read (None: not kept)
     imported: str = ""  # the foreign format it was imported from ("flight-recorder", ...); "" for ring files
     world_source: str = "ring headers (torch.distributed world size)"  # where world_size came from
+    init_markers: dict[int, InitMarker] = field(default_factory=dict)  # rank -> start marker (analyze/startup.py)
     completion_times: str = "observed"  # "arrivals": an imported format whose calls complete, as far as it
     #   knows, at their instance's last arrival (stragglers are judged call by call, no critical path);
     #   "inferred": coarser estimates, no timing stage runs on it; "order": no times at all, only the order of

@@ -17,14 +17,15 @@ from megatrace.analyze.words import duration
 SEVERITY_ORDER = ("critical", "error", "warning", "info")
 HEADLINES = {  # finding kind -> the banner's first word(s)
     "compute-hang": "HANG", "comm-hang": "COMMUNICATION HANG", "crashed-process": "CRASH",
-    "exited-early": "EARLY EXIT", "no-trace": "HANG (NO TRACE)", "collective-mismatch": "COLLECTIVE MISMATCH",
+    "exited-early": "EARLY EXIT", "no-trace": "HANG (NO TRACE)",
+    "startup-hang": "HANG AT START-UP", "collective-mismatch": "COLLECTIVE MISMATCH",
     "deadlock": "DEADLOCK", "possible-hang": "POSSIBLE HANG", "partial-stop": "PARTIAL STOP",
     "straggler": "STRAGGLER", "slow-link": "SLOW LINK", "slow-rank-network": "SLOW NETWORK",
     "step-slowdown": "SLOWDOWN", "healthy": "HEALTHY", "critical-path": "HEALTHY", "trace-problem": "TRACE PROBLEM",
     "clock": "CLOCK", "rule": "RULE", "rule-error": "RULE ERROR", "stall": "STALL",
 }
-HANG_KINDS = {"compute-hang", "comm-hang", "crashed-process", "exited-early", "no-trace", "collective-mismatch",
-              "deadlock", "possible-hang"}
+HANG_KINDS = {"compute-hang", "comm-hang", "crashed-process", "exited-early", "no-trace", "startup-hang",
+              "collective-mismatch", "deadlock", "possible-hang"}
 CULPRIT_KINDS = HANG_KINDS | {"straggler", "slow-link", "slow-rank-network"}  # findings whose subject is to blame
 MAX_CULPRITS = 16  # rows in the culprit table
 MAX_STEPS_SHOWN = 120  # per-iteration bars: the most recent steps
