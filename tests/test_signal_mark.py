@@ -33,7 +33,9 @@ WRITER = textwrap.dedent("""
         os.kill(pid, signal.SIGTERM)
         os.waitpid(pid, 0)
         print("child ended", flush=True)
-    if mode == "closed":
+    if mode == "closing":
+        print("closing", flush=True)
+    if mode in ("closed", "closing"):
         w.close()
         print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
     time.sleep(60)
@@ -79,3 +81,19 @@ def test_a_closed_ring_gives_the_signal_back(tmp_path: Path) -> None:
     code, lines, header = _run(tmp_path, "closed", signal.SIGTERM)
     assert lines == ["True True", "True"] and code == -signal.SIGTERM
     assert header.closed_cleanly and header.signal == 0
+
+
+def test_a_sigterm_while_the_ring_closes_finds_it_closed_or_marked(tmp_path: Path) -> None:
+    """A launcher's SIGTERM can reach a rank while its tracer closes the ring (the rank is ending on its own
+    error): the ring must then read closed or marked, never neither (which reads as a crash)."""
+    for attempt in range(12):
+        out = tmp_path / str(attempt)
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out), "closing"], stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        assert proc.stdout.readline().strip() == "closing"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        header = read_ring(out / "rank-00000.ring").header
+        assert header.closed_cleanly or header.signal == signal.SIGTERM, attempt

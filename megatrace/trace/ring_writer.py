@@ -219,9 +219,11 @@ class RingWriter:
         if self.closed:
             return
         self.closed = True
+        # Closed first, then the pulse and the SIGTERM mark stop: a launcher's SIGTERM that lands while the
+        # pulse thread is joined (up to one interval) still finds the ring closed or marked, never neither.
+        fmt.WRITER_STATE.pack_into(self._mm, fmt.WRITER_STATE_OFFSET, fmt.WriterState.CLOSED)
         if self.fast is not None:
             self.fast.stop_pulse()
-        fmt.WRITER_STATE.pack_into(self._mm, fmt.WRITER_STATE_OFFSET, fmt.WriterState.CLOSED)
         os.close(self._meta_fd)
         # The mapping stays valid until the process exits: late completions from helper
         # threads may still land. The kernel writes the pages back on unmap.
