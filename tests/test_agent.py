@@ -268,7 +268,7 @@ def test_two_agents_confirm_a_hang_together_and_collect_it_with_mpiexec(writers:
         assert took <= timeout + 60, took
         doc = json.loads(report.read_text())
         assert doc["trigger"]["reason"] == "hang" and doc["nodes"]["collected"] == ["n1", "n2"]
-        assert doc["ranks"] == {"world_size": 2, "collected": 2, "missing": []}
+        assert doc["ranks"] == {"world_size": 2, "collected": 2, "missing": [], "in_init_process_group": []}
         state = job / ".megatrace-42"
         hang = json.loads((state / "hang.json").read_text())
         assert hang["suspect"] == ["n1", "n2"] and hang["healthy"] == []

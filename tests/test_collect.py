@@ -88,7 +88,7 @@ def test_four_nodes_gather_every_ring_byte_for_byte_and_the_analysis_names_the_h
     bundle = job / "megatrace-77"
     doc = json.loads((bundle / "collection.json").read_text())
     assert doc["nodes"]["collected"] == NODES and doc["nodes"]["missing"] == []
-    assert doc["ranks"] == {"world_size": 4, "collected": 4, "missing": []}
+    assert doc["ranks"] == {"world_size": 4, "collected": 4, "missing": [], "in_init_process_group": []}
     for rank, node in enumerate(NODES):
         for suffix in ("ring", "meta.jsonl"):
             name = f"rank-{rank:05d}.{suffix}"

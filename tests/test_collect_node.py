@@ -69,3 +69,28 @@ def test_a_pid_in_a_ring_header_is_looked_into_only_when_it_runs_as_the_rings_ow
     me = facts["procs"][str(os.getpid())]
     assert me["alive"] is False and "cmdline" not in me and "not looked into" in me["note"], me
     assert facts["ring_dir_uid"] == 4242
+
+
+PY_SPY_DUMP = """Process 4242: python train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4250 (idle): "pt_tcpstore"
+    run (threading.py:975)
+Thread 4242 (idle): "MainThread"
+    sleep_forever (train.py:9)
+        Arguments:
+            seconds: 3600
+    load (train.py:14)
+    <module> (train.py:20)
+"""
+
+
+def test_the_main_threads_innermost_frames_are_taken_from_a_py_spy_dump() -> None:
+    from megatrace.collect.node import main_thread_frames
+
+    assert main_thread_frames(PY_SPY_DUMP) == ["sleep_forever (train.py:9)", "load (train.py:14)",
+                                               "<module> (train.py:20)"]
+    assert main_thread_frames(PY_SPY_DUMP, limit=1) == ["sleep_forever (train.py:9)"]
+    unnamed = "Process 7: python x.py\n\nThread 8 (idle)\n    helper (x.py:1)\nThread 7 (active)\n    main (x.py:5)\n"
+    assert main_thread_frames(unnamed) == ["main (x.py:5)"]  # py-spy without thread names: the thread id = the pid
+    assert main_thread_frames("py-spy: Permission denied") == []

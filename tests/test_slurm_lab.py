@@ -797,21 +797,46 @@ def test_the_agents_catch_the_demo_hang_report_it_within_90_s_and_cancel_the_job
     assert job in called.read_text().split(), "the agent did not cancel with the site's scancel"
 
 
+@pytest.fixture
+def venv_for_test_user(test_user):
+    """This test environment's interpreter, runnable by the test user for the test's length.
+
+    The venv's base interpreter may sit under root's home (0700, e.g. a pyenv build): the directories on the
+    way that the user cannot traverse get o+x (traverse, not list) until the test ends, then their mode back.
+    """
+    opened: list[tuple[Path, int]] = []
+    for path in [*reversed(Path(os.path.realpath(PYTHON)).parents), *reversed(Path(PYTHON).parents)]:
+        mode = path.stat().st_mode
+        if not mode & 0o001 and path.stat().st_uid == 0 and all(p != path for p, _ in opened):
+            opened.append((path, mode))
+            path.chmod((mode & 0o7777) | 0o001)
+    try:
+        probe = _as(TEST_USER, [PYTHON, "-c", "import torch.distributed, megatrace.demo"], timeout=120)
+        if probe.returncode != 0:
+            pytest.fail(f"the test user cannot run {PYTHON} with torch and megatrace: {probe.stderr[-500:]}")
+        yield PYTHON
+    finally:
+        for path, mode in reversed(opened):
+            path.chmod(mode & 0o7777)
+
+
 @pytest.mark.slow
-def test_the_readmes_srun_line_runs_in_the_lab_as_written(lab, tmp_path):
-    """No MASTER_ADDR in the job: the demo takes the first node's name, which the lab resolves to this host,
-    as a job written for a real cluster does; the injected hang is reported within hang timeout + 60 s."""
+def test_the_readmes_srun_line_runs_in_the_lab_as_written(lab, test_user, user_dir, venv_for_test_user):
+    """An ordinary user's job with no MASTER_ADDR: the demo takes the first node's name, which the lab resolves
+    to this host, as a job written for a real cluster does; the injected hang is reported within hang
+    timeout + 60 s, in the user's own directory."""
     script = "srun -n 8 python -m megatrace.demo --tp 2 --pp 2 --dp 2 --steps 12 --fault hang:rank=4,step=5\n"
-    env = _clean_env(PATH=f"{Path(PYTHON).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+    env = _clean_env(PATH=f"{Path(PYTHON).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}", HOME=str(user_dir))
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    job = submit(script, tmp_path, "--megatrace=hang-timeout=30,on-hang=cancel", "-N4", "-n8", "--overcommit",
-                 "-t", "10", env=env)
+    job = submit(script, user_dir, "--megatrace=hang-timeout=30,on-hang=cancel", "-N4", "-n8", "--overcommit",
+                 "-t", "10", env=env, user=TEST_USER)
     info = wait_job(job, timeout=400)
-    text = output(tmp_path, job)
+    text = output(user_dir, job)
     assert "cannot be retrieved" not in text and "does not resolve" not in text, text[-2000:]
-    assert info["JobState"] == "CANCELLED", text[-2000:]
-    step = tmp_path / f"megatrace-{job}" / "step-0"
+    assert info["JobState"] == "CANCELLED" and info["UserId"].startswith(TEST_USER), text[-2000:]
+    step = user_dir / f"megatrace-{job}" / "step-0"
+    assert (step / "report.html").stat().st_uid == test_user.pw_uid
     top = _top_finding(step)
     assert top["severity"] == "critical" and top["subject"]["rank"] == 4 and top["subject"]["host"] == "n3", top
     onset = _last_activity_wall_s(step / "rings" / "rank-00004.ring")

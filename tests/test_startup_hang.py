@@ -99,6 +99,7 @@ def test_a_rank_that_never_reaches_init_process_group_is_named(tmp_path: Path, s
     text = " ".join(map(str, top.evidence))
     assert "accepts connections" in text and "still runs" in text, text
     assert f"rank 2: its process on n1 (pid {ranks.procs[2].pid}) still runs" in text, text  # found by its step
+    assert "(py-spy, innermost first): <module> (train.py:5)" in text, text  # where it is stuck: its sleep
     assert not [f for f in result.findings if f.kind == Kind.HEALTHY]
 
 

@@ -241,13 +241,20 @@ def _node_facts(directory: Path, problems: list[LoadProblem]) -> NodeFacts:
             procs[int(key)] = ProcFact(int(key), p.get("pid"), p.get("exit_code"), p.get("signal"),
                                        bool(p.get("killed_by_launcher", False)), _typed(p.get("alive"), bool),
                                        _typed(p.get("state"), str), _typed(p.get("wchan"), str),
-                                       _typed(p.get("node"), str))
+                                       _typed(p.get("node"), str), _frames(p.get("stack")))
         return NodeFacts(procs, data.get("outcome"), data.get("message"))
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         problems.append(LoadProblem("warning", "procs", f"{path}: unreadable process facts ({why[:200]}); ignored",
                                     paths=(str(path),)))
         return NodeFacts()
+
+
+def _frames(value: Any) -> tuple[str, ...]:
+    """A process's stack frames from procs.json (a list of strings; anything else is no stack)."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(f[:200] for f in value[:8] if isinstance(f, str))
 
 
 def _typed(value: Any, kind: type) -> Any:

@@ -157,8 +157,9 @@ def _proc_text(trace: TraceSet, rank: int, where: str = "inside init_process_gro
     if proc.alive is False:
         return f"its process{node} is gone (it died {where})"
     state = f", {proc.state}" if proc.state else ""
-    return (f"its process{node} (pid {proc.pid}) still runs{state}" + (f", waiting in {proc.wchan}" if proc.wchan
-                                                                      else ""))
+    return (f"its process{node} (pid {proc.pid}) still runs{state}"
+            + (f", waiting in {proc.wchan}" if proc.wchan else "")
+            + (f"; its main thread (py-spy, innermost first): {' < '.join(proc.stack)}" if proc.stack else ""))
 
 
 def _reach_text(res: dict[str, Any]) -> str:

@@ -120,6 +120,7 @@ class ProcFact:
     state: str | None = None  # e.g. "sleeping"
     wchan: str | None = None  # the kernel function it waits in
     node: str | None = None  # where the collector saw it
+    stack: tuple[str, ...] = ()  # innermost frames of its main thread (py-spy, when the collector had it)
 
     @property
     def crashed(self) -> bool:

@@ -26,11 +26,23 @@ from pathlib import Path
 from typing import Any
 
 from megatrace.collect import safefs
-from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot
+from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot, main_thread_frames
 
 FORMAT_VERSION = 1
 TRIGGERS = ("hang", "end", "timelimit", "failure", "manual")
 ANALYSIS_MODES = ("auto", "full", "quick", "none")
+
+
+def _proc_entry(facts: dict[str, Any], pid: Any, node: str) -> dict[str, Any]:
+    """procs.json's entry for the process ``pid`` as ``node``'s collector saw it (its state, where it waits, and
+    the innermost frames of its main thread when py-spy dumped it)."""
+    proc = (facts.get("procs") or {}).get(str(pid), {})
+    dump = ((facts.get("python_stacks") or {}).get("stacks") or {}).get(str(pid))
+    entry = {"pid": pid, "node": node, "exit_code": None, "signal": None, "alive": proc.get("alive"),
+             "state": proc.get("state_name"), "wchan": proc.get("wchan")}
+    if isinstance(dump, str) and (frames := main_thread_frames(dump)):
+        entry["stack"] = frames
+    return entry
 
 
 def _safe_name(node: str) -> str:
@@ -174,17 +186,11 @@ class BundleWriter:
             pid = ring.get("pid")
             m = TRACE_FILE_RE.match(ring["file"])
             if isinstance(ring.get("rank"), int) and m and not m.group(3):
-                proc = (facts.get("procs") or {}).get(str(pid), {})
-                self.procs[str(ring["rank"])] = {"pid": pid, "node": node, "exit_code": None, "signal": None,
-                                                 "alive": proc.get("alive"), "state": proc.get("state_name"),
-                                                 "wchan": proc.get("wchan"), "tracer_closed": ring.get("closed")}
+                self.procs[str(ring["rank"])] = {**_proc_entry(facts, pid, node), "tracer_closed": ring.get("closed")}
         # Ranks without a ring yet: in init_process_group (start markers), or not there yet (the step's processes).
         for key, flag in (("init_ranks", "in_init_process_group"), ("before_init_ranks", "before_init_process_group")):
             for rank, pid in (facts.get(key) or {}).items():
-                proc = (facts.get("procs") or {}).get(str(pid), {})
-                self.procs.setdefault(str(rank), {"pid": pid, "node": node, "exit_code": None, "signal": None,
-                                                  "alive": proc.get("alive"), "state": proc.get("state_name"),
-                                                  "wchan": proc.get("wchan"), flag: True})
+                self.procs.setdefault(str(rank), {**_proc_entry(facts, pid, node), flag: True})
         for skipped in facts.get("skipped") or []:
             self.problems.append(f"node {node}: {skipped['name']} not collected: {skipped['reason']}")
 

@@ -398,6 +398,23 @@ def _py_spy() -> str | None:
     return beside if os.access(beside, os.X_OK) else None
 
 
+def main_thread_frames(dump: str, limit: int = 4) -> list[str]:
+    """The innermost ``limit`` frames of the main thread (else the first thread) in a ``py-spy dump``."""
+    threads: list[tuple[str, list[str]]] = []
+    for line in dump.splitlines()[:4000]:
+        if line.startswith("Thread "):
+            threads.append((line, []))
+        elif threads and line.startswith((" ", "\t")) and line.strip():
+            frames = threads[-1][1]
+            if len(frames) < limit and not line.lstrip().startswith(("Arguments:", "Locals:")) \
+                    and not line.startswith(" " * 8):  # frames are indented 4; their locals 8
+                frames.append(line.strip()[:200])
+    pid = re.match(r"Process (\d+):", dump)
+    main = ([t for t in threads if '"MainThread"' in t[0]]
+            or [t for t in threads if pid and t[0].startswith(f"Thread {pid.group(1)} ")] or threads)
+    return main[0][1] if main else []
+
+
 def python_stacks(pids: list[int], timeout: float = STACK_TIMEOUT_S) -> dict[str, Any]:
     """``py-spy dump`` of each live pid, all at once, each bounded by ``timeout``."""
     exe = _py_spy()
