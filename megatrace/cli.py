@@ -17,7 +17,8 @@ from megatrace.config import ORDERS
 from megatrace.demo.engines import DEFAULT_ENGINE, ENGINES
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-TRACE_FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector", "job-log")  # = analyze.importers.FORMATS
+# = analyze.importers.FORMATS
+TRACE_FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector", "kineto", "nccl-ras", "job-log")
 
 
 _ENGINES_HELP = "\b\nEngines (--engine; the sizes each one takes in brackets):\n" + "".join(
@@ -189,8 +190,9 @@ Exit status:
 @click.option("--format", "trace_format", default="auto", show_default=True,
               type=click.Choice(TRACE_FORMATS),
               help="Input format: MegaTrace rings, PyTorch Flight Recorder dumps, Megatrace NCCL-patch logs "
-                   "(rank_<R>.log), NCCL Inspector JSON lines or a job's output log (PyTorch's NCCL watchdog "
-                   "lines; TRACE_DIR may then be the file); auto detects it (docs/importers.md).")
+                   "(rank_<R>.log), NCCL Inspector JSON lines, PyTorch profiler (Kineto) traces, an NCCL RAS report "
+                   "(ncclras output) or a job's output log (PyTorch's NCCL watchdog lines; TRACE_DIR may then be "
+                   "the file); auto detects it (docs/importers.md).")
 def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
             out_dir: str | None, json_path: str | None, fail_on: str | None, quick: bool, no_report: bool,
             trace_format: str) -> None:

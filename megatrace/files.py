@@ -226,6 +226,11 @@ def read_fd(fd: int, limit: int | None = None, name: str = "") -> bytes:
     raise OSError(errno.EFBIG, f"{name}: larger than the limit of {limit} bytes")
 
 
+def open_input_file(path: str | os.PathLike[str]) -> BinaryIO:
+    """A binary file object of regular file ``path`` (see :func:`open_input`: no FIFO, device or foreign link)."""
+    return os.fdopen(open_input(path), "rb")
+
+
 def read_input(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
     """The bytes of regular file ``path`` (see :func:`open_input`), at most ``limit`` of them."""
     fd = open_input(path)

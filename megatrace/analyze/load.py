@@ -456,12 +456,23 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
     if not directory.exists():
         raise TraceLoadError(f"{directory}: no such directory")
     if not directory.is_dir():
+        if not directory.is_file():
+            raise TraceLoadError(f"{directory}: neither a directory nor a regular file (a FIFO, device or socket is "
+                                 f"never read)")
+        if format in ("auto", "nccl-ras"):  # one file: an NCCL RAS report, when it starts like one
+            from megatrace.analyze.importers.detect import looks_like_nccl_ras
+
+            if format == "nccl-ras" or looks_like_nccl_ras(directory):
+                from megatrace.analyze.importers import import_trace
+
+                return import_trace(directory, "nccl-ras", layout)
         if format in ("auto", "job-log"):  # one file: a job's output log (docs/importers.md)
             from megatrace.analyze.importers import import_trace
 
             return import_trace(directory, "job-log", layout)
         raise TraceLoadError(f"{directory}: not a directory: a trace of format {format} is a directory (one file is "
-                             f"read only as a job output log, --format job-log)")
+                             f"read only as a job output log, --format job-log, or an NCCL RAS report, "
+                             f"--format nccl-ras)")
     files, earlier = _ring_files(directory) if format in ("auto", "rings") else ([], [])
     where, marker_names = _marker_files(directory) if format in ("auto", "rings") else (directory, [])
     if not files and marker_names:  # ranks in init_process_group and none past it: stuck before communication

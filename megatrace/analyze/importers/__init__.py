@@ -27,8 +27,11 @@ def not_a_trace(directory: Path) -> str:
     return (f"{directory}: not a trace directory{' (it is empty)' if empty else ''}: found none of MegaTrace ring "
             f"files (rank-NNNNN.ring, in it or its rings/ subdirectory), PyTorch Flight Recorder dumps (pickle or "
             f"JSON files named with the rank at the end, e.g. nccl_trace_rank_0), Megatrace NCCL-patch logs "
-            f"(rank_<R>.log of '[save_count N] ...' or '[SEC.NSEC] [Rank R] Fun ...' lines) or NCCL Inspector JSON lines (objects with header and "
-            f"coll_perf), in it or its subdirectories one level down, or job output logs (slurm-<id>.out, in it; any one file given as the argument); --format FORMAT reads it as one format and says "
+            f"(rank_<R>.log of '[save_count N] ...' or '[SEC.NSEC] [Rank R] Fun ...' lines), NCCL Inspector JSON "
+            f"lines (objects with header and coll_perf) or PyTorch profiler (Kineto) traces (*.json or *.json.gz "
+            f"with distributedInfo or schemaVersion), in it or its subdirectories one level down; nor an NCCL RAS "
+            f"report (ncclras output, text or JSON) or job output logs (slurm-<id>.out) in it (either may also be "
+            f"given as the one file to read); --format FORMAT reads it as one format and says "
             f"what its files lack (FORMAT: {', '.join(f for f in FORMATS if f != 'auto')})")
 
 
@@ -55,6 +58,14 @@ def import_trace(directory: str | Path, fmt: str = "auto", layout: Layout | None
         from megatrace.analyze.importers.inspector import load_inspector
 
         return load_inspector(directory, layout)
+    if fmt == "kineto":
+        from megatrace.analyze.importers.kineto import load_kineto
+
+        return load_kineto(directory, layout)
+    if fmt == "nccl-ras":
+        from megatrace.analyze.importers.nccl_ras import load_nccl_ras
+
+        return load_nccl_ras(directory, layout)
     if fmt == "job-log":
         from megatrace.analyze.importers.job_log import load_job_log
 

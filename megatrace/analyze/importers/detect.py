@@ -10,8 +10,9 @@ import re
 from pathlib import Path
 
 from megatrace.analyze.traceset import LoadProblem, TraceLoadError
+from megatrace.files import open_input_file
 
-FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector", "job-log")
+FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector", "kineto", "nccl-ras", "job-log")
 SLURM_OUTPUT = re.compile(r"^slurm-\d+(?:_\d+)?\.out$")  # sbatch's default output file name
 NCCL_LOG_RE = re.compile(r"^rank_(\d+)\.log$")
 NCCL_LOG_LIKE = re.compile(r"^rank_.*\.log$")  # named like a rank's NCCL log (maybe without a usable rank)
@@ -22,7 +23,7 @@ SNIFF_BYTES = 4096
 
 def _head(path: Path) -> bytes:
     try:
-        with open(path, "rb") as fh:
+        with open_input_file(path) as fh:  # a FIFO or another user's link is no trace (and never blocks)
             return fh.read(SNIFF_BYTES)
     except OSError:
         return b""
@@ -53,8 +54,22 @@ def looks_like_inspector(path: Path) -> bool:
                                                                b'"inspector_output_format_version"' in head)
 
 
+RAS_TEXT = re.compile(rb"^\s*NCCL version \S+ compiled with CUDA \S+\r?\n(?:.*\n){0,8}?"
+                      rb"(?:Job summary|Communicators\.\.\.)", re.M)  # ncclras's first lines (NCCL src/ras/client_support.cc, rasClientRunInit)
+
+
+def looks_like_nccl_ras(path: Path) -> bool:
+    """A file whose first bytes are an NCCL RAS report: ncclras's text header, or its JSON (``nccl_version`` and
+    ``communicators`` keys)."""
+    head = _head(path)
+    if head.lstrip().startswith(b"{"):
+        return b'"nccl_version"' in head and b'"communicators' in head
+    return RAS_TEXT.search(head) is not None
+
+
 def detect_format(directory: Path) -> str | None:
-    """``rings``, ``flight-recorder``, ``nccl-log``, ``inspector``, ``job-log`` or None (nothing recognised).
+    """``rings``, ``flight-recorder``, ``nccl-log``, ``inspector``, ``kineto``, ``nccl-ras``, ``job-log`` or None
+    (nothing recognised).
 
     Job output logs are recognised by sbatch's file name (``slurm-<id>.out``) and only where no trace is: the
     lines that matter come at a log's end, past what sniffing reads.
@@ -75,6 +90,14 @@ def detect_format(directory: Path) -> str | None:
         found.append("flight-recorder")
     if any(any(looks_like_inspector(p) for p in _files(w)) for w in places):
         found.append("inspector")
+    from megatrace.analyze.importers.kineto import looks_like_kineto
+
+    if any(any(looks_like_kineto(p) for p in _files(w)) for w in places):
+        found.append("kineto")
+        if "flight-recorder" in found and all(looks_like_kineto(p) for p in find_dumps(directory)):
+            found.remove("flight-recorder")  # (a Kineto trace's distributedInfo holds pg_config, as dumps do)
+    if any(looks_like_nccl_ras(p) for p in _files(directory)):
+        found.append("nccl-ras")
     if not found and any(SLURM_OUTPUT.match(p.name) for p in _files(directory)):
         found.append("job-log")
     if len(found) > 1:

@@ -52,6 +52,7 @@ from megatrace.analyze.importers.fr_windows import (Calls, aligned_p2p_groups, c
 from megatrace.analyze.importers.safe_pickle import MAX_BYTES, UnsafePickleError, safe_loads
 from megatrace.analyze.traceset import LoadProblem, TraceSet, plural
 from megatrace.config import Layout
+from megatrace.files import open_input_file, read_input
 from megatrace.trace.ring_format import Dtype, Flag, Op, State
 
 NAME = "flight-recorder"
@@ -83,7 +84,7 @@ def dump_rank(path: Path) -> int | None:
 def looks_like_dump(path: Path) -> bool:
     """A pickle, or a JSON object mentioning ``entries`` and ``pg_config`` (a cheap sniff, nothing parsed)."""
     try:
-        with open(path, "rb") as fh:
+        with open_input_file(path) as fh:
             head = fh.read(4096)
     except OSError:
         return False
@@ -126,7 +127,7 @@ def _read(path: Path) -> tuple[dict, dict[int, int]]:
         if size > MAX_BYTES:
             raise ImportFormatError(f"{path}: {size} bytes: too large for a Flight Recorder dump (at most "
                                     f"{MAX_BYTES >> 20} MiB)")
-        data = path.read_bytes()
+        data = read_input(path, MAX_BYTES)
     except OSError as exc:
         raise ImportFormatError(f"{path}: unreadable: {exc.strerror}") from None
     if not data:

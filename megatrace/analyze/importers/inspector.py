@@ -40,6 +40,7 @@ from megatrace.analyze.importers.common import (INT64_MAX, MAX_RANKS, Fields, Im
                                                 build_traceset, group_id, new_columns)
 from megatrace.analyze.traceset import LoadProblem, TraceSet, plural
 from megatrace.config import Layout
+from megatrace.files import read_input
 from megatrace.trace.ring_format import Op, State
 
 NAME = "inspector"
@@ -53,7 +54,7 @@ _WS = re.compile(r"\s*")
 def iter_objects(path: Path):
     """(line number, object) for each JSON object in the file; errors name the file and line."""
     try:
-        data = path.read_bytes()
+        data = read_input(path)
     except OSError as exc:
         raise ImportFormatError(f"{path}: unreadable: {exc.strerror}") from None
     try:

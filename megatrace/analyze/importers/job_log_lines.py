@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatrace.files import open_input_file
+
 MAX_LINE = 64 * 1024  # longer lines are cut (a log line is never this long; a binary file has no newlines)
 MAX_EVENTS = 200  # lines kept as evidence per rank (the first ones: a crash's cause comes first)
 
@@ -161,7 +163,7 @@ def read_job_log(path: Path, file_rank: int | None = None) -> JobLog:
     """Read one output file; ``file_rank``: the rank of lines that name none (one file per rank)."""
     log = JobLog(path)
     in_traceback: dict[int | None, bool] = {}
-    with open(path, "rb") as fh:
+    with open_input_file(path) as fh:
         for n, raw in enumerate(fh, 1):
             text = raw[:MAX_LINE].decode("utf-8", "replace").rstrip("\r\n")
             log.lines = n

@@ -20,6 +20,7 @@ from pathlib import Path
 from megatrace.analyze.importers.common import INT64_MAX, MAX_RANKS, Fields, ImportFormatError
 from megatrace.analyze.importers.detect import NCCL_LOG_RE
 from megatrace.analyze.traceset import LoadProblem
+from megatrace.files import read_input
 from megatrace.trace.ring_format import Op
 
 LINE_RE = re.compile(r"^\[save_count (\d+)\] \[(\d+)\.(\d{1,9})\] \[Rank (\d+)\] Fun (\w+) Data (\d+) "
@@ -43,7 +44,7 @@ def parse_log(path: Path, problems: list[LoadProblem],
     rank = int(m.group(1)) if m else None
     seen: dict[tuple, int] = {}
     try:
-        data = path.read_bytes()
+        data = read_input(path)
     except OSError as exc:
         raise ImportFormatError(f"{path}: unreadable: {exc.strerror}") from None
     text = data.decode("utf-8", errors="replace")

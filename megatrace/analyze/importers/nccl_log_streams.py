@@ -36,6 +36,7 @@ from pathlib import Path
 from megatrace.analyze.importers.common import ImportFormatError
 from megatrace.analyze.traceset import LoadProblem, plural, rank_list
 from megatrace.config import Layout, LayoutError
+from megatrace.files import open_input_file, read_input
 
 FREQUENT = 0.01  # a (function, count) pair is in a stream's vocabulary when at least 1 % of its calls (and 2) use it
 COLLECTIVE_KINDS = ("tp", "dp")  # the layout kinds a collective stream is first matched to, busiest first
@@ -56,7 +57,7 @@ def read_layout(directory: Path, world: int, problems: list[LoadProblem]) -> Lay
         if not path.is_file():
             continue
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(read_input(path, 1 << 20).decode("utf-8", "replace")) or {}
             tp, pp = int(data.get("TP", 1)), int(data.get("PP", 1))
             size = int(data.get("world_size", world))
             if size % (tp * pp):
@@ -84,7 +85,7 @@ def read_layout(directory: Path, world: int, problems: list[LoadProblem]) -> Lay
 def _megatron_sizes(path: Path) -> dict[str, int]:
     """Tensor and pipeline sizes of a launch script's Megatron-LM arguments ({} when it has none readable)."""
     try:
-        with open(path, "rb") as fh:
+        with open_input_file(path) as fh:
             text = fh.read(SCRIPT_BYTES).decode("utf-8", errors="replace")
     except OSError:
         return {}

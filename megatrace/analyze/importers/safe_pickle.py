@@ -26,6 +26,8 @@ import io
 import pickle
 import pickletools
 
+from megatrace.files import open_input_file
+
 MAX_BYTES = 1 << 30  # a dump above 1 GiB is not a Flight Recorder dump (default ring: 2,000 entries)
 MAX_DEPTH = 32  # containers in containers: a Flight Recorder dump nests 5 deep (dump, entries, entry, sizes, shape)
 
@@ -131,5 +133,5 @@ def safe_loads(data: bytes, source: str = "<bytes>") -> object:
 
 def safe_load_file(path: str) -> object:
     """:func:`safe_loads` of a file's bytes."""
-    with open(path, "rb") as fh:
+    with open_input_file(path) as fh:
         return safe_loads(fh.read(MAX_BYTES + 1), str(path))
