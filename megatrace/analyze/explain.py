@@ -44,6 +44,10 @@ REMEDIATION = {
                 "stacks (py-spy dump --pid PID) to see where they are (a checkpoint, evaluation, data loading, "
                 "a barrier outside torch.distributed); if it lasts, the job is hung outside traced communication.",
 }
+SILENT_IN_LOG_REMEDIATION = ("The others failed waiting for this rank in a collective and it printed nothing: it "
+                             "was stuck outside communication (stopped, a deadlock, I/O, a GPU) or its output was "
+                             "lost. Look at its node (dmesg, the process's state) and rerun with --megatrace, whose "
+                             "rings and node agents show where such a rank stops.")
 FROZEN_REMEDIATION = ("Its process stopped running: if it was stopped on purpose (kill -STOP, a debugger) resume it "
                       "(kill -CONT PID); otherwise dump its stacks (py-spy dump --pid PID) for the thread that holds "
                       "the interpreter, and check the node (dmesg, memory pressure, GPU XID errors).")
@@ -267,7 +271,8 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
         out.append(Finding(
             id=ident, severity=Severity.CRITICAL if root.confirmed else Severity.WARNING, kind=kind,
             subject=subject, verdict=verdict, evidence=evidence,
-            remediation=FROZEN_REMEDIATION if frozen else REMEDIATION.get(kind, ""),
+            remediation=FROZEN_REMEDIATION if frozen else SILENT_IN_LOG_REMEDIATION
+            if kind == Kind.NO_TRACE and trace.imported == "job-log" else REMEDIATION.get(kind, ""),
             confidence=confidence, impact=len(set(root.waiters) | set(root.ranks)),
             data={"chain": root.chain + [_root_sentence(trace, hang, root)], "waiters": list(root.waiters),
                   "stop_ns": root.stop_ns, "silence_ns": root.silence_ns, "usual_gap_ns": root.usual_gap_ns,

@@ -378,7 +378,8 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
     if trace.facts.outcome in RUNNING_OUTCOMES or live.ended_together:  # what was in flight at the end is no hang
         roots = [root for root in roots if root.confirmed]
         progressing = progressing if roots else []
-    roots = _merge_co_missing(graph, _fold_consequences(roots, m))
+    crashed = {r for r, p in trace.facts.procs.items() if p.crashed} | set(live.crashed)
+    roots = _merge_co_missing(graph, _fold_consequences(roots, m), crashed)
     stall = None if roots else _stall(trace, status, last_activity, end, te, tc, live)
     return HangAnalysis(end, False, status, last_activity, last_row, waits, graph, roots, details, progressing,
                         t_enqueue=te, liveness=live, stall=stall)
@@ -600,10 +601,11 @@ def _mismatch(m: MatchResult, root: RootCause) -> bool:
     return bool(m.collectives.mismatch[root.node[1]]) and not (g is not None and g.assigned)
 
 
-def _merge_co_missing(graph: nx.DiGraph, roots: list[RootCause]) -> list[RootCause]:
+def _merge_co_missing(graph: nx.DiGraph, roots: list[RootCause], crashed: set[int]) -> list[RootCause]:
     """One root for the stopped ranks that one collective waits for together (its members that never entered
-    it, when each is a root of the same standing): torchfrtrace's "missing ranks" of that collective. Other
-    stopped ranks stay roots of their own."""
+    it, when each is a root of the same standing: both confirmed or not, both crashed or not): torchfrtrace's
+    "missing ranks" of that collective. Other stopped ranks stay roots of their own (a crashed process is named
+    apart from a silent one that waited beside it)."""
     rank_roots = {r.node: r for r in roots if r.kind == "rank" and isinstance(r.node, int)}
     if len(rank_roots) < 2:
         return roots
@@ -620,7 +622,8 @@ def _merge_co_missing(graph: nx.DiGraph, roots: list[RootCause]) -> list[RootCau
             together = [m for m in graph.successors(node) if m in rank_roots]
             for m in together[1:]:
                 a, b = find(together[0]), find(m)
-                if a != b and rank_roots[a].confirmed == rank_roots[b].confirmed:
+                if a != b and rank_roots[a].confirmed == rank_roots[b].confirmed \
+                        and (together[0] in crashed) == (m in crashed):
                     parent[b] = a
     merged: dict[int, list[RootCause]] = {}
     for n in rank_roots:

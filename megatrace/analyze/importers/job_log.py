@@ -10,8 +10,10 @@ What a log cannot tell: times (the records carry the order only; no timing analy
 a group other than the default one (the ranks that printed lines about it; others are unknown), calls older
 than the last completed one, and point-to-point calls (torch numbers collectives only, in 2.4 and later).
 A rank that printed nothing is missing (the finding says so); a rank whose exception or Slurm task exit
-comes before any timeout in the log is a crash (``ProcFact``); every rank at ``-1`` (nothing enqueued)
-means no collective was in flight: a stop outside communication.
+comes before any timeout in the log is a crash (``ProcFact``), and so is one that torchrun's failure summary
+says ended by a signal other than its own SIGTERM (or non-zero) without a failed collective of its own; every
+rank at ``-1`` (nothing enqueued) means no collective was in flight: a stop outside communication. Without any
+watchdog position (gloo), the ranks whose collective failed wait in one call of the default group.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from megatrace.analyze.importers.common import (MAX_RANKS, ImportedRank, ImportFormatError, build_traceset,
                                                 group_id, new_columns)
-from megatrace.analyze.importers.job_log_lines import SIGNALS, JobLog, RankLog, read_job_log
+from megatrace.analyze.importers.job_log_lines import SIGNALS, GroupState, JobLog, RankLog, TaskExit, read_job_log
 from megatrace.analyze.traceset import LoadProblem, ProcFact, TraceSet, plural, rank_list
 from megatrace.config import Layout
 from megatrace.trace.ring_format import Flag, Op, State
@@ -40,6 +42,7 @@ OPS = {"ALLREDUCE": Op.ALL_REDUCE, "ALLGATHER": Op.ALL_GATHER, "_ALLGATHER_BASE"
 LOG_NAME = re.compile(r"(?:^slurm-\d+(?:_\d+)?\.out$|\.(?:out|err|log|txt)$)")
 RANK_IN_NAME = re.compile(r"(?:rank|task|proc)[_-]?(\d+)|[._-](\d+)\.(?:out|err|log|txt)$", re.I)
 DEFAULT_DESCS = ("default_pg", "")
+GLOO_KEY = "0"  # the default group, where a failure without a position is placed (_positions_from_failures)
 
 
 def log_files(path: Path) -> list[Path]:
@@ -81,9 +84,14 @@ def load_job_log(path: Path, layout: Layout | None = None) -> TraceSet:
             else:
                 ranks[r] = (rl, log.path)
     said = {r for r, (rl, _) in ranks.items() if rl.groups}
+    problems: list[LoadProblem] = []
+    if not said and (said := _positions_from_failures(ranks)):
+        problems.append(LoadProblem("info", "failures-only", f"no watchdog position in the log: the "
+                                    f"{plural(len(said), 'rank')} whose collective failed (gloo's errors, or NCCL's "
+                                    f"without the watchdog's dump) are placed in one call of the default group, "
+                                    f"shown as #0: its number is not in the log", ranks=tuple(sorted(said))))
     if not said:
         raise ImportFormatError(_nothing_said(files, logs))
-    problems: list[LoadProblem] = []
     world = _world(logs, ranks, layout)
     imported = [_records(rl, p, world) for r, (rl, p) in sorted(ranks.items()) if rl.groups]
     _share_ops(imported)
@@ -99,6 +107,18 @@ def load_job_log(path: Path, layout: Layout | None = None) -> TraceSet:
     trace.path = path
     _facts(trace, logs, ranks)
     return trace
+
+
+def _positions_from_failures(ranks: dict[int, tuple[RankLog, Path]]) -> set[int]:
+    """Without any watchdog position (gloo, or NCCL without the dump): each rank whose collective failed (its
+    exception: gloo's "Timed out waiting ...", "Connection closed by peer") was inside one call of the job's
+    default group, which the ranks that printed no such failure never entered. Its number is unknown: every
+    failed rank gets the same one (the default group's calls are made in the same order on every rank)."""
+    failed = {r for r, (rl, _) in ranks.items() if rl.comm_error is not None}
+    for r in failed:
+        rl = ranks[r][0]
+        rl.groups[GLOO_KEY] = GroupState(GLOO_KEY, "default_pg", enqueued=0, timed_out=0, line=rl.comm_error[0])
+    return failed
 
 
 def _merge(into: RankLog, other: RankLog) -> None:
@@ -135,6 +155,26 @@ def _nothing_said(files: list[Path], logs: list[JobLog]) -> str:
             f"or 'WorkNCCL(SeqNum=S, OpType=...)' line of a rank): a job log gives a verdict only when PyTorch's "
             f"NCCL watchdog reported a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT / the dump signal make every rank report)"
             + (f"; lines of {plural(seen, 'rank')} were read" if seen else ""))
+
+
+def _elastic_exit(trace: TraceSet, log: JobLog, e: TaskExit, ranks: dict[int, tuple[RankLog, Path]]) -> None:
+    """torchrun's summary of a failed rank. Printed at the end (not in time order), so it counts as a cause only
+    for a rank that printed no failed collective: SIGTERM is torchrun ending the rest of the job, and a rank
+    whose collective failed exited because another rank stopped (torchrun's own "Root Cause" is merely the
+    first rank to exit, often one of those)."""
+    rank = e.tasks[0]
+    said = ranks.get(rank)
+    if e.code == -15:  # torchrun ending the rest of the job once one rank failed
+        trace.facts.procs.setdefault(rank, ProcFact(rank, signal="SIGTERM", killed_by_launcher=True))
+        trace.facts.notes.setdefault(rank, f"torchrun ({log.path.name}:{e.line}): rank {rank} on {e.node} was ended "
+                                           f"by SIGTERM (torchrun stopping the job after another rank failed)")
+    if e.code in (0, -15) or (said is not None and said[0].timed_out_at):
+        return
+    signal = e.what if e.code is not None and e.code < 0 else None
+    said_before = trace.facts.procs.get(rank) is not None and trace.facts.notes.get(rank)  # its own exception
+    trace.facts.procs.setdefault(rank, ProcFact(rank, exit_code=e.code if signal is None else None, signal=signal))
+    text = f"torchrun ({log.path.name}:{e.line}): rank {rank} on {e.node} ended with {e.what}"
+    trace.facts.notes[rank] = f"{said_before}; {text}" if said_before else text
 
 
 def _world(logs: list[JobLog], ranks: dict[int, tuple[RankLog, Path]], layout: Layout | None) -> int:
@@ -215,6 +255,9 @@ def _facts(trace: TraceSet, logs: list[JobLog], ranks: dict[int, tuple[RankLog, 
             trace.facts.notes[r] = (f"its log ({path.name}:{g.line}): the NCCL watchdog timed out on "
                                     f"{g.op.lower() or 'a call'} {g.timed_out} of group {g.desc or g.key} after "
                                     f"{g.ran_ms / 1000:.0f} s")
+        elif rl.comm_error is not None and not any(g.enqueued > 0 or g.completed >= 0 for g in rl.groups.values()):
+            trace.facts.notes[r] = (f"its log ({path.name}:{rl.comm_error[0]}): its collective failed: "
+                                    f"{rl.comm_error[1]}")
         elif rl.groups:
             g = max(rl.groups.values(), key=lambda g: g.line)
             trace.facts.notes[r] = (f"its log ({path.name}:{g.line}): last enqueued {g.enqueued}, last completed "
@@ -227,6 +270,9 @@ def _facts(trace: TraceSet, logs: list[JobLog], ranks: dict[int, tuple[RankLog, 
             trace.facts.notes[r] = f"its log ({path.name}:{rl.exception[0]}): {rl.exception[1]}"
     for log in logs:
         for e in log.exits:
+            if e.launcher == "torchrun":
+                _elastic_exit(trace, log, e, ranks)
+                continue
             if first[log.path] and e.line > first[log.path]:
                 continue  # tasks ending after the timeout: the watchdog's abort, not a cause
             signal = next((w for w in SIGNALS if e.what.startswith(w)), None) if e.code is None else None

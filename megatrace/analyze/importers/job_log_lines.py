@@ -61,6 +61,13 @@ COMM_ERROR = re.compile(r"DistBackendError|DistNetworkError|NCCL error|ncclRemot
 EXCEPTION = re.compile(r"^(?:[\w.]+\.)?(?P<type>[A-Z]\w*(?:Error|Exception|Exit|Interrupt))(?::\s*(?P<msg>.*))?$")
 SRUN_TASKS = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\- \[\]]+): (?P<what>.*)$")
 EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
+# torchrun's failure summary (torch.distributed.elastic ChildFailedError): a block per failed rank, e.g.
+#   host      : n3
+#   rank      : 2 (local_rank: 0)
+#   exitcode  : -9 (pid: 15366)  (SIGKILL)
+ELASTIC_FIELD = re.compile(r"^\s{2}(?P<key>host|rank|exitcode)\s*: (?P<value>.*)$")
+ELASTIC_RANK = re.compile(r"^(\d+) \(local_rank: \d+\)")
+ELASTIC_EXIT = re.compile(r"^(-?\d+) \(pid: \d+\)(?:\s+\((?P<sig>SIG[A-Z0-9]+)\))?")
 CANCELLED = re.compile(r"\*\*\* (?P<what>JOB|STEP) (?P<id>[\d.]+) ON (?P<node>\S+) CANCELLED AT (?P<at>\S+)"
                        r"(?: DUE TO (?P<why>[A-Z ]+?))? \*\*\*")
 OOM = re.compile(r"oom[-_]kill event|Out Of Memory|exceeded memory limit")
@@ -95,6 +102,7 @@ class RankLog:
     first_line: int = 0
     exception: tuple[int, str] | None = None  # (line, "Type: message") of the first exception ending a traceback
     timed_out_at: int = 0  # the first line saying this rank timed out (watchdog or gloo)
+    comm_error: tuple[int, str] | None = None  # (line, text) of the first failed collective's exception (gloo's)
     dump_from: int = -1  # the rank whose timeout sent this one a dump signal
 
     def event(self, line: int, kind: str, text: str) -> None:
@@ -111,6 +119,7 @@ class TaskExit:
     tasks: tuple[int, ...]
     what: str  # "exit code N", "killed", or Slurm's words
     code: int | None = None
+    launcher: str = "srun"  # or "torchrun" (its failure summary, printed at the end: not in time order)
 
 
 @dataclass
@@ -124,6 +133,7 @@ class JobLog:
     oom: list[tuple[int, str]] = field(default_factory=list)
     lines: int = 0
     matched: int = 0  # lines that said something this module reads
+    elastic: dict[str, str] = field(default_factory=dict)  # the torchrun summary block being read
 
     def rank(self, r: int, line: int) -> RankLog:
         if r not in self.ranks:
@@ -171,6 +181,20 @@ def read_job_log(path: Path, file_rank: int | None = None) -> JobLog:
     return log
 
 
+def _elastic_field(log: JobLog, n: int, key: str, value: str) -> None:
+    """One field of torchrun's failure summary; its exitcode line closes a failed rank's block."""
+    if key != "exitcode":
+        log.elastic[key] = value
+        return
+    rank, code = ELASTIC_RANK.match(log.elastic.get("rank", "")), ELASTIC_EXIT.match(value)
+    if rank and code and int(rank.group(1)) < (1 << 20):
+        c = int(code.group(1))
+        what = code.group("sig") or (f"signal {-c}" if c < 0 else f"exit code {c}")
+        log.exits.append(TaskExit(n, log.elastic.get("host", "?")[:128], (int(rank.group(1)),), what, c, "torchrun"))
+        log.matched += 1
+    log.elastic.clear()
+
+
 def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: dict[int | None, bool]) -> None:
     prefixed = None
     for _ in range(4):  # prefixes stack ("[default0]:[rank0]: ...")
@@ -182,6 +206,10 @@ def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: d
             if not m:
                 break
         text = text[m.end():]
+    f = ELASTIC_FIELD.match(text) if prefixed is None else None
+    if f:
+        _elastic_field(log, n, f.group("key"), f.group("value").strip())
+        return
     s = SRUN_TASKS.match(text)
     if s:
         code = EXIT_CODE.search(s.group("what"))
@@ -245,6 +273,7 @@ def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: d
         in_traceback[who] = False
         if COMM_ERROR.search(text):  # its collective failed: the rank waited on another
             rank.timed_out_at = rank.timed_out_at or n
+            rank.comm_error = rank.comm_error or (n, text.strip()[:300])
             rank.event(n, "comm-error", text.strip())
         else:
             if rank.exception is None:
