@@ -389,6 +389,100 @@ def test_reader_beside_live_writer(tmp_path, kind, capacity):
     check_against_gen(snap.records, exact_times=kind == "python")
 
 
+
+@pytest.mark.parametrize("kind", KIND_PARAMS)
+@pytest.mark.parametrize("copied", ["torn", "a lap old"])
+@pytest.mark.parametrize("then", ["written", "lapped", "unchanged"])
+@pytest.mark.parametrize("last", [None, 12])
+def test_a_slot_copied_mid_write_is_read_again_and_never_leaves_a_gap(tmp_path, kind, copied, then, last,
+                                                                     monkeypatch):
+    """The race behind a rare live-read gap, made exact. The copy finds the slot of seq 30 torn, or
+    still holding seq 14 (a reader preempted mid-copy while the writer lapped the ring; a writer
+    thread between taking its number and writing). The re-read then finds seq 30 written, or the
+    ring lapped (seq 30 and all older are overwritten by then), or the slot unchanged (seq 30 lost,
+    nothing older dropped for it)."""
+    from megatrace.trace import ring_reader
+
+    w = make_writer(tmp_path, 16, kind)
+    off = fmt.HEADER_SIZE + (30 - 1) % 16 * fmt.RECORD_SIZE
+    for seq in range(1, 41):
+        w.begin(*gen(seq)[:7])
+        if seq == 14:
+            old = Path(w.path).read_bytes()[off:off + fmt.RECORD_SIZE]
+    fd = os.open(w.path, os.O_RDWR)
+    good = os.pread(fd, fmt.RECORD_SIZE, off)
+    if copied == "torn":  # one byte of seq 30's nbytes changed: its checksum no longer matches
+        os.pwrite(fd, good[:24] + bytes([good[24] ^ 0xA5]) + good[25:], off)
+    else:
+        os.pwrite(fd, old, off)
+    slept = []
+
+    def the_writer_moves_during_the_retry_sleep(_seconds):
+        if not slept:
+            if then == "written":
+                os.pwrite(fd, good, off)
+            elif then == "lapped":
+                for seq in range(41, 57):
+                    w.begin(*gen(seq)[:7])
+        slept.append(True)
+
+    monkeypatch.setattr(ring_reader, "time",
+                        type("T", (), {"sleep": staticmethod(the_writer_moves_during_the_retry_sleep)}))
+    try:
+        snap = read_ring(w.path, last=last)
+    finally:
+        os.close(fd)
+    assert slept, "the odd slot was not read again"
+    first = 25 if last is None else 41 - last
+    expect = {"written": list(range(first, 41)), "lapped": list(range(31, 41)),
+              "unchanged": [s for s in range(first, 41) if s != 30]}[then]
+    assert snap.records["seq"].tolist() == expect
+    assert snap.lost == (then == "unchanged")
+    assert snap.dropped == expect[0] - 1 if then != "unchanged" else first - 1
+    assert not [p for p in snap.problems if p.severity == "error"] or (copied, then) == ("torn", "unchanged")
+    w.close()
+
+
+def _beating_writer_child(directory: str, kind: str, ready) -> None:
+    w = make_writer(directory, 1024, kind)
+    ready.set()
+    seq = 0
+    while True:
+        seq += 1
+        w.begin(*gen(seq)[:7])
+        w.beat()
+
+
+@pytest.mark.parametrize("kind", KIND_PARAMS)
+def test_the_counter_and_heartbeat_are_never_seen_half_written(tmp_path, kind):
+    """Another process reading the header beside a live writer sees the write counter only move forward and
+    the heartbeat never 0 once it beat. (struct.pack_into zero-fills before it writes: a reader saw a
+    counter of 0 about ten times a second, and a live snapshot then shrank to its first record.)"""
+    ready = FORK.Event()
+    child = FORK.Process(target=_beating_writer_child, args=(str(tmp_path), kind, ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(10), "writer child did not start"
+        fd = os.open(tmp_path / fmt.ring_name(IDENT.rank), os.O_RDONLY)
+        try:
+            last_counter = last_beat = reads = 0
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                for _ in range(1000):
+                    blob = os.pread(fd, 24, fmt.WRITE_COUNTER_OFFSET)
+                    counter = fmt.WRITE_COUNTER.unpack_from(blob, 0)[0]
+                    beat = fmt.HEARTBEAT.unpack_from(blob, fmt.HEARTBEAT_OFFSET - fmt.WRITE_COUNTER_OFFSET)[0]
+                    assert counter >= last_counter, (last_counter, counter)
+                    assert beat >= last_beat, (last_beat, beat)
+                    last_counter, last_beat = counter, beat
+                reads += 1000
+        finally:
+            os.close(fd)
+        assert child.is_alive() and last_counter > 1000 and last_beat > 0, (reads, last_counter, last_beat)
+    finally:
+        child.kill()
+        child.join(10)
+
 # ---------------------------------------------------------------------------
 # 3. SIGKILL mid-write.
 # ---------------------------------------------------------------------------

@@ -280,12 +280,23 @@ def _read_full_fd(fd: int, path: str, retries: int, retry_sleep: float) -> RingS
     # A live writer may be mid-record: re-read the slots that failed, a few times. A re-read
     # may only return a record that fits this snapshot (at most one past its newest record):
     # a slot the writer has since refilled on a later lap is skipped as "raced", not mixed in.
-    bad = np.flatnonzero(~empty & (~head_ok | ~tail_ok))
+    # A live ring's slot that holds a record a whole lap older than the newest was copied before
+    # the writer refilled it (a reader preempted mid-copy, or a writer thread between taking its
+    # number and writing): it is re-read too, so the copy does not skip the record it now holds.
+    seqs = raw.view(RECORD_DTYPE).reshape(-1)["seq"]  # a view: follows the re-reads
+    newest = int(seqs[head_ok].max()) if head_ok.any() else 0
+    limit = max(newest, min(header.write_counter, newest + 1)) + 1
+    live = not header.closed_cleanly
+
+    def suspects() -> np.ndarray:
+        odd = ~empty & (~head_ok | ~tail_ok)
+        if live and newest > cap:
+            odd |= head_ok & (seqs <= np.uint64(newest - cap))
+        return np.flatnonzero(odd)
+
+    bad = suspects()
     raced = np.zeros(n_slots, bool)
     if 0 < len(bad) < 4096:
-        seqs = raw.view(RECORD_DTYPE).reshape(-1)["seq"]
-        newest = int(seqs[head_ok].max()) if head_ok.any() else 0
-        limit = max(newest, min(header.write_counter, newest + 1)) + 1
         for _ in range(retries):
             time.sleep(retry_sleep)
             for slot in bad:
@@ -296,8 +307,8 @@ def _read_full_fd(fd: int, path: str, retries: int, retry_sleep: float) -> RingS
                     else:
                         raw[slot] = np.frombuffer(chunk, np.uint8)
             empty[bad], head_ok[bad], tail_ok[bad] = _validate(raw[bad], bad.astype(np.uint64), cap)
-            bad = np.flatnonzero(~empty & (~head_ok | ~tail_ok))
-            if not len(bad):
+            bad = suspects()
+            if not len(bad) or raced[bad].all():
                 break
 
     records = raw.view(RECORD_DTYPE).reshape(-1)
@@ -314,6 +325,12 @@ def _read_full_fd(fd: int, path: str, retries: int, retry_sleep: float) -> RingS
     max_seq = int(valid["seq"][-1]) if len(valid) else 0
     max_seq = max(max_seq, min(header.write_counter, max_seq + 1))
     dropped = max(0, max_seq - cap)
+    # A slot torn when copied and refilled on a later lap by the re-read: the record it held in this
+    # window, and every older one, are overwritten now (as in the tail read). Keeping the older ones
+    # would leave a gap where that record was.
+    for slot in np.flatnonzero(raced):
+        held = max_seq - (max_seq - 1 - int(slot)) % cap  # the newest seq <= max_seq that lives in this slot
+        dropped = max(dropped, held)
     # A copy of a live ring is not instantaneous: a slot copied before the writer lapped it
     # holds a record older than the window. It was overwritten: count it dropped, not kept.
     valid = valid[valid["seq"] > dropped]
@@ -461,9 +478,22 @@ def _tail_of(fd: int, path: str, header: RingHeader, problems: list[ReadProblem]
     slots = (seqs - np.uint64(1)) % np.uint64(cap)
     empty, head_ok, tail_ok = _validate(raw, slots, cap)
 
-    # A live writer may be mid-record: re-read the rows that failed, a few times. A re-read that
-    # returns a later lap than the row's expected record is "raced" and not mixed in (as the full read).
-    bad = np.flatnonzero(~empty & (~head_ok | ~tail_ok))
+    # A live writer may be mid-record: re-read the rows that failed, and the rows of a live ring
+    # the counter calls written that still hold an older lap (copied just before the writer refilled
+    # them), a few times.
+    # A re-read that returns a later lap than the row's expected record is "raced" and not mixed in
+    # (as the full read).
+    live = not header.closed_cleanly
+    found = raw.view(RECORD_DTYPE).reshape(-1)["seq"]  # a view: follows the re-reads
+    committed = seqs <= np.uint64(counter)  # rows past the counter may still hold the older lap
+
+    def suspects() -> np.ndarray:
+        odd = ~empty & (~head_ok | ~tail_ok)
+        if live:
+            odd |= head_ok & committed & (found < seqs)
+        return np.flatnonzero(odd)
+
+    bad = suspects()
     raced = np.zeros(n, bool)
     for _ in range(retries if 0 < len(bad) < 4096 else 0):
         time.sleep(retry_sleep)
@@ -475,8 +505,8 @@ def _tail_of(fd: int, path: str, header: RingHeader, problems: list[ReadProblem]
                 else:
                     raw[j] = np.frombuffer(chunk, np.uint8)
         empty[bad], head_ok[bad], tail_ok[bad] = _validate(raw[bad], slots[bad], cap)
-        bad = np.flatnonzero(~empty & (~head_ok | ~tail_ok))
-        if not len(bad):
+        bad = suspects()
+        if not len(bad) or raced[bad].all():
             break
 
     rec = raw.view(RECORD_DTYPE).reshape(-1)

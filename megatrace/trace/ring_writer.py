@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import socket
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -61,6 +62,11 @@ class RingWriter:
         self.meta_path = self.directory / fmt.meta_name(identity.rank)
         self._mm, self._meta_fd = self._create()
         self._view = memoryview(self._mm)
+        # Header fields another process reads while we run (counter, heartbeat, state) are stored as whole
+        # words through these views: struct.pack_into zero-fills its bytes before it writes them, so a reader
+        # could see a counter or heartbeat of 0 between the two (an aligned 8-byte copy is one store).
+        self._u64 = self._view[:fmt.HEADER_SIZE].cast("Q")
+        self._u32 = self._view[:fmt.HEADER_SIZE].cast("I")
         self._next_seq = itertools.count(1).__next__  # atomic under the GIL
         self.wrapped = False
         self._first_overwrite = capacity + 1
@@ -95,6 +101,9 @@ class RingWriter:
         """
         size = fmt.file_size(self.capacity)
         ring, meta = self.path.name, self.meta_path.name
+        if sys.byteorder != "little":
+            raise RingOpenError(0, f"cannot write ring file {self.path}: ring files are little-endian and this "
+                                   "host is big-endian")
         try:
             dfd = private_dir(self.directory)
         except OSError as exc:
@@ -149,7 +158,7 @@ class RingWriter:
     # attribute lookup saved is ~20 ns on a path that runs for every collective.
     def begin(self, op: int, group_id: int, group_seq: int, nbytes: int, peer: int = -1,
               dtype: int = 0, flags: int = 0, *, _now=time.monotonic_ns, _pack=fmt.RECORD.pack_into,
-              _pack_check=fmt.HEAD_CHECK.pack_into, _pack_counter=fmt.WRITE_COUNTER.pack_into,
+              _pack_check=fmt.HEAD_CHECK.pack_into, _counter=fmt.WRITE_COUNTER_OFFSET // 8,
               _adler=zlib.adler32, _prime=fmt.TAIL_PRIME) -> tuple[int, int]:
         """Commit an 'entered' record; returns the handle passed to :meth:`complete`."""
         seq = self._next_seq()
@@ -160,7 +169,7 @@ class RingWriter:
         _pack(mm, off, seq, group_seq, _now(), nbytes, group_id, peer, op, dtype, flags, 0,
               0, 1, (1 << 64 | (seq & 0xFFFFFFFF) << 96) % _prime)
         _pack_check(mm, off + 44, _adler(mm[off:off + 44]))
-        _pack_counter(mm, 256, seq)
+        self._u64[_counter] = seq
         if seq == self._first_overwrite:
             self._on_wrap(seq)
         return off, seq
@@ -206,9 +215,9 @@ class RingWriter:
         self.fast.start_pulse(fmt.PULSE_INTERVAL_NS)
         return True
 
-    def beat(self, *, _now=time.monotonic_ns, _pack=fmt.HEARTBEAT.pack_into) -> None:
+    def beat(self, *, _now=time.monotonic_ns, _word=fmt.HEARTBEAT_OFFSET // 8) -> None:
         """Say "this process still runs": the header's heartbeat, rewritten by the tracer's heartbeat thread."""
-        _pack(self._mm, fmt.HEARTBEAT_OFFSET, _now())
+        self._u64[_word] = _now()
 
     @property
     def records_written(self) -> int:
@@ -221,7 +230,7 @@ class RingWriter:
         self.closed = True
         # Closed first, then the pulse and the SIGTERM mark stop: a launcher's SIGTERM that lands while the
         # pulse thread is joined (up to one interval) still finds the ring closed or marked, never neither.
-        fmt.WRITER_STATE.pack_into(self._mm, fmt.WRITER_STATE_OFFSET, fmt.WriterState.CLOSED)
+        self._u32[fmt.WRITER_STATE_OFFSET // 4] = fmt.WriterState.CLOSED
         if self.fast is not None:
             self.fast.stop_pulse()
         os.close(self._meta_fd)
