@@ -10,8 +10,8 @@ Prints three tables:
    - a CPU call of the ``torch.distributed`` functions (FSDP, pipelining, the ``3d`` demo, scripts):
      the Python wrapper stepping aside plus the hook, ``dist.all_reduce`` on the fake backend vs the
      original function without the hook;
-   - a device (NCCL) call, which keeps the Python wrapper: the wrapper around a no-op with
-     all_reduce's signature vs the no-op itself;
+   - a device (NCCL) call where the c10d hook is not built (with it, device calls take the hook's CUDA
+     kernels): the Python wrapper around a no-op with all_reduce's signature vs the no-op itself;
 2. small gloo all-reduces between two real processes, traced (hook and wrapper) vs the original
    torch function without the hook, in blocks whose order rotates each round, with an A/A control
    (the untraced block again) that shows what the machine's noise alone makes of the comparison;

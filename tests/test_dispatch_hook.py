@@ -31,9 +31,13 @@ def _ring_counts(tmp_path: Path, rank: int) -> tuple[Counter, list[dict]]:
     return collectives, recs
 
 
-def test_ddp_functional_and_python_calls_are_each_recorded_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("completion", ["future", "poll"])
+def test_ddp_functional_and_python_calls_are_each_recorded_once(tmp_path: Path, completion: str) -> None:
+    """``poll``: every work is completed by the hook's poller thread, as device (NCCL) works are on a GPU
+    (the CPU twin of tests/test_gpu_nccl.py's DDP test: same kernel, same completion code)."""
     world = 3
-    finish(launch("cpp_callers", tmp_path, world=world, TORCH_FR_BUFFER_SIZE="2000"))
+    env = {"MEGATRACE_DISPATCH_HOOK": "poll"} if completion == "poll" else {}
+    finish(launch("cpp_callers", tmp_path, world=world, TORCH_FR_BUFFER_SIZE="2000", **env))
     for rank in range(world):
         reference = Counter(json.loads((tmp_path / f"fr-{rank}.json").read_text()))
         collectives, recs = _ring_counts(tmp_path, rank)
@@ -56,6 +60,8 @@ def test_the_process_meta_says_which_paths_were_recorded(tmp_path: Path) -> None
     entries = [e for e in (tmp_path / "rings" / "rank-00000.meta.jsonl").read_text().splitlines() if '"process"' in e]
     capture = json.loads(entries[0])["capture"]
     assert "allreduce_" in capture["dispatcher_cpu"] and "send" in capture["dispatcher_cpu"]
+    # c10d registers its CUDA kernels in every torch build: the hook sits in front of them too.
+    assert "allreduce_" in capture["dispatcher_device"] and "send" in capture["dispatcher_device"]
 
 
 def test_without_the_hook_the_tracer_says_what_it_cannot_see(tmp_path: Path) -> None:

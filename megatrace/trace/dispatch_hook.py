@@ -11,8 +11,9 @@ once, at about a microsecond.
 The module is compiled against the installed torch (``python -m megatrace.trace.dispatch_hook
 --build``, run by ``make install``) and refuses to load under another torch version. Without it
 the tracer falls back to the Python wrappers of :mod:`megatrace.trace.torch_hook` and says, once,
-what it cannot see. Device (NCCL) calls keep the Python wrappers and, for everything NCCL does,
-the NCCL interposer (``docs/nccl-interposer.md``).
+what it cannot see. The same kernel sits in front of each operator's CUDA kernel, so device (NCCL)
+calls from C++ are recorded too, completed when the GPU has run them; the NCCL interposer
+(``docs/nccl-interposer.md``) sees what NCCL does beneath.
 """
 
 from __future__ import annotations
@@ -139,6 +140,12 @@ def build(target: Path | None = None) -> Path:
 
 
 # -- loading ----------------------------------------------------------------------------------
+def poll_cpu() -> bool:
+    """``MEGATRACE_DISPATCH_HOOK=poll``: complete CPU works as device works are, by polling them
+    (how the device path's completion is tested on a machine without a GPU)."""
+    return os.environ.get("MEGATRACE_DISPATCH_HOOK", "1") == "poll"
+
+
 def load(torch: Any) -> Any:
     """The native module, built for this very torch; :class:`HookUnavailable` otherwise."""
     if os.environ.get("MEGATRACE_DISPATCH_HOOK", "1") == "0":

@@ -118,7 +118,9 @@ class Tracer:
         self.step = -1
         self.hook: Any = None  # megatrace.trace._c10d_hook, when it loads for this torch
         self.hooked_ops: list[str] = []
+        self.hooked_device_ops: list[str] = []
         self.cpu_native = False  # the hook records CPU calls into this process's ring
+        self.device_native = False  # ... and device (CUDA) calls
 
     # -- setup (cold) -----------------------------------------------------
     def start(self, settings: TracerSettings | None = None) -> None:
@@ -179,10 +181,12 @@ class Tracer:
             warn_once("hook-attach", f"c10d hook not attached ({exc!r}); only torch.distributed calls are traced")
             return
         self.cpu_native = True
+        self.device_native = bool(self.hooked_device_ops)
 
     def capture(self) -> dict[str, Any]:
         """Which call paths this process records, for the trace's readers (see docs/trace-format.md)."""
-        return {"dispatcher_cpu": self.hooked_ops if self.cpu_native else [], "python_api": True}
+        return {"dispatcher_cpu": self.hooked_ops if self.cpu_native else [],
+                "dispatcher_device": self.hooked_device_ops if self.device_native else [], "python_api": True}
 
     def resolve_name(self, name: str) -> None:
         """The hook met a group by name before any Python call did: register it (runs with the GIL)."""
@@ -197,7 +201,7 @@ class Tracer:
     def shutdown(self) -> None:
         if self.cpu_native:  # before the mapping can go away with the interpreter
             self.hook.detach()
-            self.cpu_native = False
+            self.cpu_native = self.device_native = False
         for poller in (self._device_poller, self._sweeper, self._heartbeat):
             if poller is not None:
                 poller.stop()
@@ -371,8 +375,10 @@ def _make_wrapper(name: str, orig: Any, spec: OpSpec, tracer: Tracer, dtypes: di
                     nbytes, dtype, device = data.nbytes, dtypes.get(data.dtype, 0), (4 if data.is_cuda else 0)
                 else:
                     nbytes, dtype, device = _describe_many(data, dtypes)
-                if not device and tracer.cpu_native and (data is not None or gt.host_only):
-                    gt = None  # the dispatcher hook records this CPU call (the call itself runs below, once)
+                # A call without data (a barrier) runs on the group's device: CPU for gloo, the GPU otherwise.
+                on_device = bool(device) if data is not None else not gt.host_only
+                if tracer.device_native if on_device else tracer.cpu_native:
+                    gt = None  # the dispatcher hook records this call (the call itself runs below, once)
             if gt is not None:
                 is_async = always_async or bool(args[ai] if ai < n else kwargs.get("async_op"))
                 flags = base_flags | device
@@ -516,13 +522,13 @@ def _delegates(func: Any) -> bool:
 
 
 def _install_dispatch_hook(tracer: Tracer, torch: Any) -> None:
-    """Put the native kernel in front of c10d's CPU kernels; say once what is lost without it."""
+    """Put the native kernel in front of c10d's CPU and CUDA kernels; say once what is lost without it."""
     from megatrace.trace import dispatch_hook
 
     try:
         hook = dispatch_hook.load(torch)
         rows, skipped = dispatch_hook.spec_rows(torch)
-        tracer.hooked_ops = hook.install(rows)
+        tracer.hooked_ops, tracer.hooked_device_ops = hook.install(rows, dispatch_hook.poll_cpu())
         hook.set_resolver(tracer.resolve_name)
     except Exception as exc:  # noqa: BLE001 - HookUnavailable, or a registration the dispatcher refused
         warn_once("dispatch-hook", f"{exc}; collectives that PyTorch issues from C++ (DDP's gradient "

@@ -12,6 +12,14 @@
  * every MegaTrace writer produces), and completion from the work's future (collectives) or
  * from the work's wait() (gloo send/recv works have no future: they are wrapped).
  *
+ * The same kernel also sits in front of each operator's CUDA kernel (NCCL: DDP's gradient
+ * buckets, FSDP, DTensor on GPUs). A device work's future completes when the work is enqueued,
+ * not when the GPU has run it, so device records are completed by one poller thread that asks
+ * each outstanding work isCompleted() (its end event), from 0.5 ms apart backing off to 4 ms
+ * while nothing finishes; it takes no GIL. A synchronous call may return no work at all (recent
+ * ProcessGroupNCCL runs it on the caller's stream): an event recorded on that stream right after
+ * the call is polled instead.
+ *
  * Never throws into the training call: any failure of our own skips the record.
  * Built against the installed torch by dispatch_hook.build(); tied to that torch version.
  */
@@ -20,17 +28,24 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -51,7 +66,7 @@ extern "C" {
 namespace {
 
 constexpr uint32_t kStateFailed = 3;
-constexpr uint8_t kFlagAsync = 1, kFlagBatched = 2;
+constexpr uint8_t kFlagAsync = 1, kFlagBatched = 2, kFlagDevice = 4;
 constexpr int kCollective = 0, kSend = 1, kRecv = 2;
 // How an argument carries the data whose size is recorded.
 enum DataKind { kNone = 0, kTensor = 1, kTensorList = 2, kTensorListList = 3 };
@@ -177,23 +192,32 @@ void add_tensor(const at::Tensor &t, uint64_t &nbytes, int &dtype)
         dtype = dtype_code(t.scalar_type());
 }
 
-void measure(const c10::IValue &v, int kind, uint64_t &nbytes, int &dtype)
+void add_tensor(const at::Tensor &t, uint64_t &nbytes, int &dtype, std::optional<c10::Device> &device)
+{
+    if (t.defined() && !device)
+        device = t.device();
+    add_tensor(t, nbytes, dtype);
+}
+
+/* The data's size, type and (first tensor's) device. */
+void measure(const c10::IValue &v, int kind, uint64_t &nbytes, int &dtype, std::optional<c10::Device> &device)
 {
     if (kind == kTensor && v.isTensor()) {
-        add_tensor(v.toTensor(), nbytes, dtype);
+        add_tensor(v.toTensor(), nbytes, dtype, device);
     } else if (kind == kTensorList && v.isTensorList()) {
         for (const at::Tensor &t : v.toTensorList().vec())
-            add_tensor(t, nbytes, dtype);
+            add_tensor(t, nbytes, dtype, device);
     } else if (kind == kTensorListList && v.isList()) {
         for (const c10::IValue &inner : v.toListRef())
             if (inner.isTensorList())
                 for (const at::Tensor &t : inner.toTensorList().vec())
-                    add_tensor(t, nbytes, dtype);
+                    add_tensor(t, nbytes, dtype, device);
     }
 }
 
 struct Pending {
     uint64_t off, seq;
+    std::optional<c10::Device> device;  // of the call's data
 };
 
 void complete(const Pending &p, uint32_t state)
@@ -205,6 +229,102 @@ void complete(const Pending &p, uint32_t state)
     memcpy(&stored, ring->base + p.off, 8);
     if (stored == p.seq)  // else the ring wrapped past this record while it was outstanding
         mt_record_complete(ring->base, p.off, p.seq, state);
+}
+
+/* Works whose future says nothing of their end (device works), polled by one thread. Heap objects
+ * never freed: the thread is detached and may still run while static destructors do at exit. */
+struct Polled {
+    c10::intrusive_ptr<c10d::Work> work;  // the call's work, or null: then
+    std::unique_ptr<c10::Event> event;    // an event recorded after the call on the caller's stream
+    Pending p;
+};
+std::mutex *g_poll_mu = new std::mutex;
+std::condition_variable *g_poll_cv = new std::condition_variable;
+std::vector<Polled> *g_incoming = new std::vector<Polled>;
+bool g_poller_started = false;  // under g_poll_mu
+std::atomic<uint64_t> g_outstanding{0};  // works handed to the poller and not yet finished
+std::atomic<uint64_t> g_passes{0};       // polling passes done
+
+void poll_works()
+{
+    using std::chrono::microseconds;
+    std::vector<Polled> active;
+    microseconds interval(500);
+    for (;;) {
+        {
+            std::unique_lock<std::mutex> lock(*g_poll_mu);
+            if (active.empty())
+                g_poll_cv->wait(lock, [] { return !g_incoming->empty(); });
+            for (Polled &x : *g_incoming)
+                active.push_back(std::move(x));
+            g_incoming->clear();
+        }
+        if (g_ring.load(std::memory_order_acquire) == nullptr) {
+            for (Polled &x : active) {  // detached at exit: drop them without running their destructors
+                x.work.release();
+                x.event.release();
+            }
+            g_outstanding.fetch_sub(active.size(), std::memory_order_relaxed);
+            active.clear();
+            continue;
+        }
+        bool finished = false;
+        for (size_t i = 0; i < active.size();) {
+            bool done, failed = false;
+            try {
+                Polled &x = active[i];
+                done = x.work ? x.work->isCompleted() : x.event->query();
+                failed = done && x.work && x.work->exception() != nullptr;
+            } catch (...) {
+                done = failed = true;
+            }
+            if (!done) {
+                i++;
+                continue;
+            }
+            complete(active[i].p, failed ? kStateFailed : MT_STATE_COMPLETED);
+            active[i] = std::move(active.back());
+            active.pop_back();
+            g_outstanding.fetch_sub(1, std::memory_order_release);
+            finished = true;
+        }
+        g_passes.fetch_add(1, std::memory_order_release);
+        if (active.empty())
+            continue;
+        interval = finished ? microseconds(500) : std::min(interval * 2, microseconds(4000));
+        std::this_thread::sleep_for(interval);
+    }
+}
+
+/* Hand a work or event to the poller (started on first use). False if the thread cannot be started. */
+bool poll_until_done(c10::intrusive_ptr<c10d::Work> work, std::unique_ptr<c10::Event> event, const Pending &p)
+{
+    std::lock_guard<std::mutex> lock(*g_poll_mu);
+    if (!g_poller_started) {
+        try {
+            std::thread(poll_works).detach();
+        } catch (...) {
+            return false;
+        }
+        g_poller_started = true;
+    }
+    g_incoming->push_back(Polled{std::move(work), std::move(event), p});
+    g_outstanding.fetch_add(1, std::memory_order_relaxed);
+    g_poll_cv->notify_one();
+    return true;
+}
+
+/* Before the ring is detached at exit: let the poller finish what the GPU has finished (a clean
+ * exit right after the last synchronize), waiting two passes at most, 50 ms at most. */
+void drain_polled()
+{
+    if (g_outstanding.load(std::memory_order_acquire) == 0)
+        return;
+    uint64_t target = g_passes.load(std::memory_order_acquire) + 2;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+    while (g_outstanding.load(std::memory_order_acquire) != 0 && g_passes.load(std::memory_order_acquire) < target
+           && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
 }
 
 /* A gloo send/recv work (no future): completion is recorded when the program learns of it. */
@@ -273,8 +393,9 @@ struct OpSpec {
 
 class TracingKernel final : public c10::OperatorKernel {
   public:
-    TracingKernel(OpSpec spec, c10::SafeKernelFunction original)
-        : spec_(std::move(spec)), original_(std::move(original)) {}
+    /* device: in front of a device (CUDA) kernel; poll: completion from the poller, not the future. */
+    TracingKernel(OpSpec spec, c10::SafeKernelFunction original, bool device, bool poll)
+        : spec_(std::move(spec)), original_(std::move(original)), device_(device), poll_(poll || device) {}
 
     void operator()(const c10::OperatorHandle &op, c10::DispatchKeySet ks, torch::jit::Stack *stack)
     {
@@ -319,8 +440,8 @@ class TracingKernel final : public c10::OperatorKernel {
         uint64_t nbytes = 0;
         int dtype = -1;
         if (spec_.data_arg >= 0)
-            measure(args[spec_.data_arg], spec_.data_kind, nbytes, dtype);
-        uint8_t flags = spec_.flags | (t_batched ? kFlagBatched : 0);
+            measure(args[spec_.data_arg], spec_.data_kind, nbytes, dtype, p.device);
+        uint8_t flags = spec_.flags | (t_batched ? kFlagBatched : 0) | (device_ ? kFlagDevice : 0);
         if (spec_.async_arg >= 0 && args[spec_.async_arg].isBool() && args[spec_.async_arg].toBool())
             flags |= kFlagAsync;
         int group_peer = spec_.root_arg >= 0 && args[spec_.root_arg].isInt()
@@ -351,13 +472,14 @@ class TracingKernel final : public c10::OperatorKernel {
 
     void attach_completion(torch::jit::Stack &stack, const Pending &p)
     {
-        if (stack.empty() || !stack.back().isCustomClass()) {  // no work (monitored_barrier): done
-            complete(p, MT_STATE_COMPLETED);
+        c10::intrusive_ptr<c10d::Work> work;
+        if (!stack.empty() && stack.back().isCustomClass())
+            work = stack.back().toCustomClass<c10d::Work>();
+        if (poll_) {
+            attach_polled(std::move(work), p);
             return;
         }
-        c10::IValue &slot = stack.back();
-        auto work = slot.toCustomClass<c10d::Work>();
-        if (!work) {
+        if (!work) {  // no work (monitored_barrier): done
             complete(p, MT_STATE_COMPLETED);
             return;
         }
@@ -372,15 +494,38 @@ class TracingKernel final : public c10::OperatorKernel {
             });
             return;
         }
-        slot = c10::IValue(c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<TracedWork>(work, p)));
+        stack.back() = c10::IValue(c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<TracedWork>(work, p)));
+    }
+
+    /* Completion from the poller: the work, else (a synchronous device call that returned none) an event
+     * recorded now on the caller's current stream, where the call was enqueued. */
+    void attach_polled(c10::intrusive_ptr<c10d::Work> work, const Pending &p)
+    {
+        std::unique_ptr<c10::Event> event;
+        if (!work && device_ && p.device) {
+            try {
+                const c10::Device dev = *p.device;
+                event = std::make_unique<c10::Event>(dev.type());
+                event->record(c10::impl::getDeviceGuardImpl(dev.type())->getStream(dev));
+            } catch (...) {
+                event.reset();
+            }
+        }
+        if (!work && !event) {  // nothing to observe: it ended when the call returned
+            complete(p, MT_STATE_COMPLETED);
+            return;
+        }
+        if (!poll_until_done(std::move(work), std::move(event), p))
+            g_skipped.fetch_add(1, std::memory_order_relaxed);  // stays entered: never a false end
     }
 
     OpSpec spec_;
     c10::SafeKernelFunction original_;
+    bool device_, poll_;
 };
 
 // Deleted only by uninstall(): never by static destruction at exit, when the dispatcher may be gone.
-torch::Library *g_library = nullptr;
+torch::Library *g_library = nullptr, *g_device_library = nullptr;
 std::vector<std::string> g_hooked;
 
 /* A warning handler that drops the dispatcher's "Overriding a previously registered kernel". */
@@ -390,10 +535,13 @@ class QuietHandler : public c10::WarningHandler {
 };
 
 // ---- Python interface --------------------------------------------------------------------
+/* install(rows, poll_cpu=False) -> (CPU operators hooked, device operators hooked). poll_cpu: CPU
+ * works too are completed by the poller (the device path's completion, exercised without a GPU). */
 PyObject *py_install(PyObject *, PyObject *args)
 {
     PyObject *specs;
-    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &specs))
+    int poll_cpu = 0;
+    if (!PyArg_ParseTuple(args, "O!|p", &PyList_Type, &specs, &poll_cpu))
         return nullptr;
     if (g_library) {
         PyErr_SetString(PyExc_RuntimeError, "already installed");
@@ -409,38 +557,49 @@ PyObject *py_install(PyObject *, PyObject *args)
         parsed.push_back(OpSpec{name, (uint16_t)op, data_arg, data_kind, pg_arg, root_arg, async_arg, kind,
                                 (uint8_t)flags});
     }
-    PyObject *hooked = PyList_New(0);
-    if (hooked == nullptr)
+    PyObject *hooked[2] = {PyList_New(0), PyList_New(0)};
+    auto drop = [&hooked]() {
+        Py_XDECREF(hooked[0]);
+        Py_XDECREF(hooked[1]);
+    };
+    if (hooked[0] == nullptr || hooked[1] == nullptr) {
+        drop();
         return nullptr;
+    }
+    const c10::DispatchKey keys[2] = {c10::DispatchKey::CPU, c10::DispatchKey::CUDA};
+    std::vector<std::unique_ptr<torch::Library>> libs;
     try {
         QuietHandler quiet;
         c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-        auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "c10d",
-                                                    std::optional<c10::DispatchKey>(c10::DispatchKey::CPU),
-                                                    __FILE__, __LINE__);
-        for (OpSpec &spec : parsed) {
-            auto handle = c10::Dispatcher::singleton().findSchema({"c10d::" + spec.name, ""});
-            if (!handle || !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU))
-                continue;
-            auto original = handle->getComputedKernelForDispatchKey(c10::DispatchKey::CPU);
-            std::string name = spec.name;
-            lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
-                                        std::make_unique<TracingKernel>(std::move(spec), std::move(original))));
-            PyObject *s = PyUnicode_FromString(name.c_str());
-            if (s == nullptr || PyList_Append(hooked, s) < 0) {
-                Py_XDECREF(s);
-                Py_DECREF(hooked);
-                return nullptr;
+        for (int k = 0; k < 2; k++) {
+            auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "c10d",
+                                                        std::optional<c10::DispatchKey>(keys[k]), __FILE__, __LINE__);
+            for (const OpSpec &spec : parsed) {
+                auto handle = c10::Dispatcher::singleton().findSchema({"c10d::" + spec.name, ""});
+                if (!handle || !handle->hasKernelForDispatchKey(keys[k]))
+                    continue;
+                auto original = handle->getComputedKernelForDispatchKey(keys[k]);
+                lib->impl(spec.name.c_str(),
+                          torch::CppFunction::makeFromBoxedFunctor(std::make_unique<TracingKernel>(
+                              spec, std::move(original), k == 1, poll_cpu != 0)));
+                PyObject *s = PyUnicode_FromString(spec.name.c_str());
+                if (s == nullptr || PyList_Append(hooked[k], s) < 0) {
+                    Py_XDECREF(s);
+                    drop();
+                    return nullptr;  // the libraries made so far go with `libs`: their kernels are removed
+                }
+                Py_DECREF(s);
             }
-            Py_DECREF(s);
+            libs.push_back(std::move(lib));
         }
-        g_library = lib.release();
+        g_library = libs[0].release();
+        g_device_library = libs[1].release();
     } catch (const std::exception &e) {
-        Py_DECREF(hooked);
+        drop();
         PyErr_Format(PyExc_RuntimeError, "cannot register the c10d kernels: %s", e.what());
         return nullptr;
     }
-    return hooked;
+    return Py_BuildValue("(NN)", hooked[0], hooked[1]);
 }
 
 PyObject *py_uninstall(PyObject *, PyObject *)
@@ -449,7 +608,8 @@ PyObject *py_uninstall(PyObject *, PyObject *)
         QuietHandler quiet;
         c10::WarningUtils::WarningHandlerGuard guard(&quiet);
         delete g_library;  // the dispatcher restores the original kernels
-        g_library = nullptr;
+        delete g_device_library;
+        g_library = g_device_library = nullptr;
     } catch (const std::exception &e) {
         PyErr_Format(PyExc_RuntimeError, "cannot remove the c10d kernels: %s", e.what());
         return nullptr;
@@ -479,6 +639,9 @@ PyObject *py_attach(PyObject *, PyObject *args)
 
 PyObject *py_detach(PyObject *, PyObject *)
 {
+    Py_BEGIN_ALLOW_THREADS
+    drain_polled();
+    Py_END_ALLOW_THREADS
     g_ring.store(nullptr, std::memory_order_release);
     Py_RETURN_NONE;
 }
@@ -567,7 +730,8 @@ PyObject *py_stats(PyObject *, PyObject *)
 }
 
 PyMethodDef methods[] = {
-    {"install", py_install, METH_VARARGS, "Put the tracing kernel in front of the named c10d CPU kernels."},
+    {"install", py_install, METH_VARARGS,
+     "install(rows, poll_cpu=False) -> (cpu, device): the tracing kernel in front of c10d's CPU and CUDA kernels."},
     {"uninstall", py_uninstall, METH_NOARGS, "Restore the original kernels."},
     {"attach", py_attach, METH_VARARGS, "Write records into this ring (base, capacity, counter address)."},
     {"detach", py_detach, METH_NOARGS, "Stop writing records."},
