@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-from nccl_double.harness import Build, BuildUnavailable, build_all, run_job
+from nccl_double.harness import Build, BuildUnavailable, build_all, build_local_scope, run_job
 from planted import planted_step_dir
 
 from megatrace.analyze.engine import analyze
@@ -94,6 +94,19 @@ def test_the_module_prints_the_library_path_and_builds_it(tmp_path: Path) -> Non
 
 
 # -- what a run records -------------------------------------------------------------------------
+
+
+def test_an_nccl_loaded_into_a_local_scope_is_found(nccl: Build, tmp_path: Path) -> None:
+    """PyTorch dlopen()s its libraries with RTLD_LOCAL and libnccl.so.2 comes with them: the preloaded
+    interposer cannot reach it with RTLD_NEXT. Seen on an H200 (torch 2.11, NCCL 2.28.9): every
+    traced PyTorch job failed in init_process_group with ncclInternalError."""
+    job = run_job(build_local_scope(nccl), tmp_path, [*GRID, "--steps", "1"])
+    assert job.returncode == 0, job.stderr
+    assert "not found" not in job.stderr, job.stderr
+    for rank in range(WORLD):
+        recs = records(tmp_path / fmt.ring_name(rank))
+        assert recs and all(r["state"] == State.COMPLETED for r in recs), (rank, recs)
+        assert {Op(r["op"]) for r in recs} >= {Op.ALL_REDUCE, Op.SEND, Op.RECV}, (rank, recs)
 
 
 def test_every_rank_writes_a_closed_ring_with_its_identity(healthy: Path) -> None:

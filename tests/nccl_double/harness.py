@@ -8,6 +8,7 @@ this Python's prefix; the interposer is compiled from the repository by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -73,6 +74,23 @@ def build_all(out: Path) -> Build:
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")
     return Build(interposer, double, driver, mpiexec, cudart)
+
+
+def build_local_scope(build: Build) -> Build:
+    """The same build with the driver loaded as PyTorch loads NCCL: from a library dlopen()ed with
+    RTLD_LOCAL (``local_scope.c``), so the double is out of the preloaded interposer's RTLD_NEXT."""
+    out = build.driver.parent
+    library, launcher = out / "libdriver.so", out / "driver-local"
+    link = [f"-L{PREFIX / 'lib'}", "-lmpi", f"-Wl,-rpath,{out}:{PREFIX / 'lib'}"]
+    for cmd in ([compiler(), "-O2", "-Wall", "-Wextra", f"-I{API_DIR}", f"-I{PREFIX / 'include'}", "-fPIC", "-shared",
+                 "-Dmain=megatrace_driver_main", str(DOUBLE_DIR / "driver.c"), "-o", str(library), str(build.double),
+                 *link],
+                [compiler(), "-O2", "-Wall", "-Wextra", f'-DDRIVER_LIB="{library}"', str(DOUBLE_DIR / "local_scope.c"),
+                 "-o", str(launcher), "-ldl"]):
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")
+    return dataclasses.replace(build, driver=launcher)
 
 
 def write_counters(ring_dir: Path) -> int:

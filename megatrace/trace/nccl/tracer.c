@@ -8,6 +8,8 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <link.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -572,10 +574,47 @@ void mt_comm_destroyed(ncclComm_t comm)
 
 /* -- load, resolve, exit ---------------------------------------------------------------------- */
 
-#define RESOLVE(field, sym) mt_real.field = (__typeof__(mt_real.field))dlsym(RTLD_NEXT, sym)
+/* The real NCCL when it is not in the global scope: a framework that dlopen()s its libraries with
+ * RTLD_LOCAL (PyTorch's extension modules, and libnccl.so.2 with them as a dependency) still binds
+ * its NCCL calls to this preloaded library, but RTLD_NEXT cannot see past it into that local scope.
+ * Found among the loaded objects by file name (libnccl.so*), and opened without loading anything. */
+static int nccl_path(struct dl_phdr_info *info, size_t size, void *data)
+{
+    const char *path = info->dlpi_name, *base;
+    (void)size;
+    if (!path || !*path)
+        return 0;
+    base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    if (strncmp(base, "libnccl.so", 10) != 0 || strlen(path) >= PATH_MAX)
+        return 0;
+    strcpy((char *)data, path);
+    return 1;
+}
+
+static void *local_nccl(void)
+{
+    char path[PATH_MAX] = "";
+    if (!dl_iterate_phdr(nccl_path, path)) /* dlopen only after the iteration: it holds the loader's lock */
+        return NULL;
+    return dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
+}
+
+static void *real_symbol(void **local, const char *sym)
+{
+    void *p = dlsym(RTLD_NEXT, sym);
+    if (p)
+        return p;
+    if (!*local)
+        *local = local_nccl();
+    return *local ? dlsym(*local, sym) : NULL;
+}
+
+#define RESOLVE(field, sym) mt_real.field = (__typeof__(mt_real.field))real_symbol(&local, sym)
 
 static void resolve_all(void)
 {
+    void *local = NULL;
     RESOLVE(CommInitRank, "ncclCommInitRank");
     RESOLVE(CommInitRankConfig, "ncclCommInitRankConfig");
     RESOLVE(CommInitAll, "ncclCommInitAll");
@@ -605,7 +644,7 @@ static void resolve_all(void)
         mt_g.completion = MT_COMPLETE_RETURN;
     else if (mode && !strcmp(mode, "event"))
         mt_g.completion = mt_events_available() ? MT_COMPLETE_EVENT : MT_COMPLETE_NONE;
-    else if (dlsym(RTLD_DEFAULT, "megatrace_nccl_host_memory")) /* a host-memory NCCL (the test double) */
+    else if (real_symbol(&local, "megatrace_nccl_host_memory")) /* a host-memory NCCL (the test double) */
         mt_g.completion = MT_COMPLETE_RETURN;
     else
         mt_g.completion = mt_events_available() ? MT_COMPLETE_EVENT : MT_COMPLETE_NONE;
