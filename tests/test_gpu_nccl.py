@@ -10,6 +10,7 @@ hold two NCCL ranks) and checks what MegaTrace makes of it:
   C++ are recorded by the c10d hook's CUDA kernels and completed when the GPU has run them;
 * a collective the NCCL watchdog times out: the job's own output log, PyTorch's Flight Recorder
   dump and the rings each give a verdict on the stuck rank;
+* an all-reduce captured in a CUDA graph: the hook's poller never invalidates the capture;
 * ``megatrace-check``'s GPU probes through the real NVML: a healthy GPU passes.
 
 They skip without CUDA. Their CPU twins: ``test_nccl_interposer.py`` (the interposer and its event
@@ -199,6 +200,21 @@ def test_a_real_watchdog_timeout_is_named_from_the_log_the_dump_and_the_rings(tm
         assert isinstance(got, tuple) and got[0] in ("critical", "error"), (name, results)
         subject = got[2]
         assert subject.get("rank") == 0 or 0 in subject.get("ranks", []), (name, results)
+
+
+def test_a_collective_captured_in_a_cuda_graph_is_not_disturbed(tmp_path):
+    """The hook's poller queries CUDA events while the trainer captures a graph: it must never invalidate
+    the capture (its thread relaxes its capture mode, as PyTorch's NCCL watchdog does). The captured call
+    is not recorded: it runs at each replay, which c10d never sees, and nothing of it can be queried (on
+    torch 2.11 its record read FAILED, and a clean job would have looked stuck in it)."""
+    proc = run_job(tmp_path, "graph", job_env(tmp_path), tracer=True)
+    keep("graph", tmp_path / "rings", tmp_path / "graph.out", tmp_path / "graph.err")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert result_line(proc.stdout) == {"mode": "graph", "replayed": 3, "value": 1.0}, proc.stdout
+    _, snap = ring_of_rank0(tmp_path)
+    reduces = [r for r in snap.to_dicts() if r["op"] == Op.ALL_REDUCE]
+    assert len(reduces) == 3, reduces  # the warm-ups
+    assert all(r["state"] == State.COMPLETED for r in reduces), reduces
 
 
 def test_megatrace_check_passes_a_healthy_gpu_through_the_real_nvml(tmp_path):

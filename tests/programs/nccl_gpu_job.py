@@ -5,6 +5,7 @@
     python nccl_gpu_job.py ddp STORE           # a few DistributedDataParallel steps on the GPU
     python nccl_gpu_job.py timeout STORE       # an all-reduce stuck behind a long kernel: the NCCL
                                                # watchdog times it out (set TORCH_NCCL_* as wanted)
+    python nccl_gpu_job.py graph STORE         # an all-reduce captured in a CUDA graph, replayed
 
 STORE is a file for torch's FileStore (world size 1). Prints one JSON line of what it did.
 """
@@ -80,6 +81,24 @@ def timeout(device: torch.device) -> dict:
     return {"mode": "timeout", "survived": True}
 
 
+def graph(device: torch.device) -> dict:
+    x = torch.ones(1 << 10, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as CUDA graph capture asks
+        for _ in range(3):
+            dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        dist.all_reduce(x)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    return {"mode": "graph", "replayed": 3, "value": float(x[0])}
+
+
 def main() -> None:
     mode, store_path = sys.argv[1], sys.argv[2]
     device = torch.device("cuda", 0)
@@ -87,7 +106,7 @@ def main() -> None:
     store = dist.FileStore(store_path, 1)
     group_timeout = timedelta(seconds=10 if mode == "timeout" else 120)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=group_timeout, device_id=device)
-    result = {"collectives": collectives, "ddp": ddp, "timeout": timeout}[mode](device)
+    result = {"collectives": collectives, "ddp": ddp, "timeout": timeout, "graph": graph}[mode](device)
     dist.destroy_process_group()
     print(json.dumps(result), flush=True)
 

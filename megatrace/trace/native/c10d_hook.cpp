@@ -34,6 +34,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <dlfcn.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -245,8 +246,51 @@ bool g_poller_started = false;  // under g_poll_mu
 std::atomic<uint64_t> g_outstanding{0};  // works handed to the poller and not yet finished
 std::atomic<uint64_t> g_passes{0};       // polling passes done
 
+/* The poller queries CUDA events while a training thread may be capturing a CUDA graph. In the default
+ * (global) capture mode such a query from any thread invalidates that capture: PyTorch's NCCL watchdog
+ * thread relaxes its own mode for this, and so does the poller (cudaThreadExchangeStreamCaptureMode of
+ * the CUDA runtime the process already loaded; nothing when it has none). */
+void *cudart_symbol(const char *name)
+{
+    static const char *const libs[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so",
+                                       nullptr};
+    void *fn = nullptr;
+    for (int i = 0; libs[i] && !fn; i++)
+        if (void *lib = dlopen(libs[i], RTLD_LAZY | RTLD_NOLOAD))  // only a runtime already loaded
+            fn = dlsym(lib, name);
+    return fn ? fn : dlsym(RTLD_DEFAULT, name);
+}
+
+/* True while `device`'s current stream is capturing a CUDA graph: the call is being recorded into the
+ * graph, not run (it runs at each replay, which c10d never sees), and its work or events cannot be
+ * queried. Such calls are not traced. */
+bool capturing(const c10::Device &device)
+{
+    using IsCapturing = int (*)(void *, int *);
+    static IsCapturing fn = reinterpret_cast<IsCapturing>(cudart_symbol("cudaStreamIsCapturing"));
+    if (fn == nullptr || device.type() != c10::DeviceType::CUDA)
+        return false;
+    try {
+        void *stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
+        int status = 0;  // cudaStreamCaptureStatusNone
+        return fn(stream, &status) == 0 && status != 0;
+    } catch (...) {
+        return false;
+    }
+}
+
+void relax_capture_mode()
+{
+    void *fn = cudart_symbol("cudaThreadExchangeStreamCaptureMode");
+    if (fn) {
+        int mode = 2;  // cudaStreamCaptureModeRelaxed
+        reinterpret_cast<int (*)(int *)>(fn)(&mode);
+    }
+}
+
 void poll_works()
 {
+    relax_capture_mode();
     using std::chrono::microseconds;
     std::vector<Polled> active;
     microseconds interval(500);
@@ -441,6 +485,8 @@ class TracingKernel final : public c10::OperatorKernel {
         int dtype = -1;
         if (spec_.data_arg >= 0)
             measure(args[spec_.data_arg], spec_.data_kind, nbytes, dtype, p.device);
+        if (device_ && p.device && capturing(*p.device))
+            return false;
         uint8_t flags = spec_.flags | (t_batched ? kFlagBatched : 0) | (device_ ? kFlagDevice : 0);
         if (spec_.async_arg >= 0 && args[spec_.async_arg].isBool() && args[spec_.async_arg].toBool())
             flags |= kFlagAsync;
