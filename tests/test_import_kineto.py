@@ -115,11 +115,17 @@ def test_the_throttled_rank_is_the_straggler(runs: dict[str, Path]) -> None:
     assert stragglers[:1] == [SLOW], [f.verdict for f in result.findings[:4]]
     assert not [f for f in result.findings if f.kind in HANG_KINDS]
     # the critical path runs through the throttled rank's compute, then the data-parallel all-reduce that waits
-    # for it: in (nearly) every step, that rank's compute is on it
+    # for it. The throttle stops the rank 50 ms of every 100 ms and a step lasts about 40 ms, so a step can fall
+    # wholly in a running half and be on time: the throttled rank's share of the critical path's time, over
+    # all steps, is what must dominate (a share of steps depended on the phase: 11 of 15 on a busy host).
     paths = result.results["critical_path"].steady
-    on_slow = [p for p in paths if p.by_rank and max(p.by_rank, key=p.by_rank.get) == SLOW]
-    assert len(on_slow) >= 0.8 * len(paths) and all(p.by_category.get("dp-sync", 0) > 0 for p in paths), \
-        [p.by_rank for p in paths[:4]]
+    per_rank: dict[int, int] = {}
+    for p in paths:
+        for rank, ns in p.by_rank.items():
+            per_rank[rank] = per_rank.get(rank, 0) + ns
+    total = sum(per_rank.values())
+    assert max(per_rank, key=per_rank.get) == SLOW and per_rank[SLOW] >= 0.6 * total, per_rank
+    assert all(p.by_category.get("dp-sync", 0) > 0 for p in paths), [p.by_category for p in paths[:4]]
     cli = CliRunner().invoke(main, ["analyze", str(runs["slow"]), "--format", "kineto", "--no-report"])
     assert cli.exit_code == 0 and f"rank {SLOW}" in cli.output.splitlines()[0], cli.output
 
