@@ -322,6 +322,9 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
                             leftover_pending=len(pending))
     live = assess(trace.rank_info, [int(o) for o in clock.rank_offset_ns], clock.host_offset_ns, last_activity,
                   trace.facts.probe)
+    for r, p in trace.facts.procs.items():  # the launcher's word on whom it ended outranks timing
+        if p.killed_by_launcher:
+            live.crashed.pop(r, None)
     end = max(end, live.observed_ns or end)
     culprits = live.culprits()
 
@@ -379,7 +382,8 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
         roots = [root for root in roots if root.confirmed]
         progressing = progressing if roots else []
     crashed = {r for r, p in trace.facts.procs.items() if p.crashed} | set(live.crashed)
-    roots = _merge_co_missing(graph, _fold_consequences(roots, m), crashed)
+    roots = _drop_ended_by_launcher(_merge_co_missing(graph, _fold_consequences(roots, m), crashed), trace, status,
+                                    crashed)
     stall = None if roots else _stall(trace, status, last_activity, end, te, tc, live)
     return HangAnalysis(end, False, status, last_activity, last_row, waits, graph, roots, details, progressing,
                         t_enqueue=te, liveness=live, stall=stall)
@@ -599,6 +603,21 @@ def _mismatch(m: MatchResult, root: RootCause) -> bool:
     """The root is a stuck instance whose members disagree, in a group whose calls are known to be its own."""
     g = root.detail.group if root.detail is not None else None
     return bool(m.collectives.mismatch[root.node[1]]) and not (g is not None and g.assigned)
+
+
+def _drop_ended_by_launcher(roots: list[RootCause], trace: TraceSet, status: dict[int, RankStatus],
+                            crashed: set[int]) -> list[RootCause]:
+    """Without a trace of their own, ranks the launcher ended after another rank crashed are no root: their
+    "never entered" is unobserved, and their end is the crash's consequence (srun --kill-on-bad-exit, torchrun
+    stopping the job). Kept when no crashed rank is a root (then they are all that is known)."""
+    if not any(r in crashed for root in roots for r in root.ranks):
+        return roots
+
+    def ended(r: int) -> bool:
+        p = trace.facts.procs.get(r)
+        return status.get(r) == RankStatus.MISSING and p is not None and p.killed_by_launcher
+
+    return [root for root in roots if not (root.kind == "rank" and root.ranks and all(map(ended, root.ranks)))]
 
 
 def _merge_co_missing(graph: nx.DiGraph, roots: list[RootCause], crashed: set[int]) -> list[RootCause]:

@@ -19,14 +19,17 @@ watchdog position (gloo), the ranks whose collective failed wait in one call of 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from megatrace.analyze.importers.common import (MAX_RANKS, ImportedRank, ImportFormatError, build_traceset,
                                                 group_id, new_columns)
-from megatrace.analyze.importers.job_log_lines import SIGNALS, GroupState, JobLog, RankLog, TaskExit, read_job_log
-from megatrace.analyze.traceset import LoadProblem, ProcFact, TraceSet, plural, rank_list
+from megatrace.analyze.importers.job_log_lines import (SIGNAL_NAMES, GroupState, JobLog, RankLog, TaskExit,
+                                                       read_job_log)
+from megatrace.analyze.traceset import LoadProblem, NodeFacts, ProcFact, TraceSet, plural, rank_list
 from megatrace.config import Layout
 from megatrace.trace.ring_format import Flag, Op, State
 
@@ -42,6 +45,7 @@ OPS = {"ALLREDUCE": Op.ALL_REDUCE, "ALLGATHER": Op.ALL_GATHER, "_ALLGATHER_BASE"
 LOG_NAME = re.compile(r"(?:^slurm-\d+(?:_\d+)?\.out$|\.(?:out|err|log|txt)$)")
 RANK_IN_NAME = re.compile(r"(?:rank|task|proc)[_-]?(\d+)|[._-](\d+)\.(?:out|err|log|txt)$", re.I)
 DEFAULT_DESCS = ("default_pg", "")
+SLURM_STOPS = ("SIGTERM", "SIGKILL")  # what Slurm ends a step's other tasks with
 GLOO_KEY = "0"  # the default group, where a failure without a position is placed (_positions_from_failures)
 
 
@@ -63,26 +67,22 @@ def _file_rank(path: Path, several: bool) -> int | None:
     return int(m.group(1) or m.group(2)) if m else None
 
 
-def load_job_log(path: Path, layout: Layout | None = None) -> TraceSet:
-    """The job output file ``path`` (or the output files in directory ``path``) as a :class:`TraceSet`."""
+def load_job_log(path: Path, layout: Layout | None = None, more: Sequence[Path] = ()) -> TraceSet:
+    """The job output file ``path`` (or the output files in directory ``path``) as a :class:`TraceSet`; ``more``:
+    other files of the same job's output (its StdErr beside its StdOut), whose names give no rank."""
     files = log_files(path)
     if not files:
         raise ImportFormatError(f"{path}: no job output files in it (slurm-<id>.out, or files ending .out, .err, "
                                 f".log or .txt)")
+    per_rank = len(files) > 1
+    files += [Path(p) for p in more if Path(p) not in files]
     logs: list[JobLog] = []
     for f in files:
         try:
-            logs.append(read_job_log(f, _file_rank(f, len(files) > 1)))
+            logs.append(read_job_log(f, _file_rank(f, per_rank) if f.parent == path else None))
         except OSError as exc:
             raise ImportFormatError(f"{f}: cannot read it: {exc.strerror}") from None
-    ranks: dict[int, tuple[RankLog, Path]] = {}
-    for log in logs:
-        for r, rl in log.ranks.items():
-            _fold_unnamed(rl)
-            if r in ranks:
-                _merge(ranks[r][0], rl)
-            else:
-                ranks[r] = (rl, log.path)
+    ranks = _by_rank(logs)
     said = {r for r, (rl, _) in ranks.items() if rl.groups}
     problems: list[LoadProblem] = []
     if not said and (said := _positions_from_failures(ranks)):
@@ -107,6 +107,71 @@ def load_job_log(path: Path, layout: Layout | None = None) -> TraceSet:
     trace.path = path
     _facts(trace, logs, ranks)
     return trace
+
+
+def _by_rank(logs: list[JobLog]) -> dict[int, tuple[RankLog, Path]]:
+    """Each rank's lines over every file (its own file and the job's), with the file that first named it."""
+    ranks: dict[int, tuple[RankLog, Path]] = {}
+    for log in logs:
+        for r, rl in log.ranks.items():
+            _fold_unnamed(rl)
+            if r in ranks:
+                _merge(ranks[r][0], rl)
+            else:
+                ranks[r] = (rl, log.path)
+    return ranks
+
+
+@dataclass
+class LogFacts:
+    """What output logs say of how ranks stopped, gathered apart from any trace (:func:`merge_job_logs`)."""
+
+    facts: NodeFacts = field(default_factory=NodeFacts)
+    problems: list[LoadProblem] = field(default_factory=list)
+    missing_ranks: tuple[int, ...] = ()
+
+
+def merge_job_logs(trace: TraceSet, paths: Sequence[Path]) -> None:
+    """Add to a ring trace what the job's output files (``slurm-<id>.out``) say of the ranks that have no ring:
+    their exception, Slurm's or torchrun's word on how their task ended, their watchdog position (as notes and
+    process facts, which the hang analysis names them by). Facts the trace already holds (``procs.json``) win;
+    ranks with rings get only process facts they lack. Not read when every rank has a ring; a file that cannot
+    be read is a ``job-log`` problem, never an error."""
+    if trace.imported == NAME:
+        return
+    names = ", ".join(p.name for p in paths)
+    if not trace.missing_ranks:
+        trace.problems.append(LoadProblem("info", "job-log", f"job output not read ({names}): every rank of the job "
+                                                             f"has a ring", paths=tuple(map(str, paths))))
+        return
+    logs: list[JobLog] = []
+    for path in paths:
+        try:
+            logs.append(read_job_log(path, None))
+        except OSError as exc:
+            trace.problems.append(LoadProblem("warning", "job-log", f"{path}: cannot read the job's output: "
+                                                                    f"{exc.strerror or exc}", paths=(str(path),)))
+    if not logs:
+        return
+    said = LogFacts()
+    _facts(said, logs, _by_rank(logs))
+    no_ring = set(trace.missing_ranks)
+    for r, proc in said.facts.procs.items():
+        trace.facts.procs.setdefault(r, proc)
+    told = sorted(r for r in no_ring if r in said.facts.notes)
+    for r in told:
+        trace.facts.notes[r] = f"no ring; {said.facts.notes[r]}"
+    if trace.facts.outcome is None and said.facts.outcome is not None:
+        trace.facts.outcome, trace.facts.message = said.facts.outcome, said.facts.message
+    trace.problems.extend(p for p in said.problems if p.code == "slurm-lines")
+    lines = sum(lg.lines for lg in logs)
+    silent = sorted(no_ring - set(told))
+    trace.problems.append(LoadProblem(
+        "info", "job-log", f"read the job's output ({names}, {plural(lines, 'line')}) for the "
+        f"{plural(len(no_ring), 'rank')} without a ring: "
+        + (f"it tells how ranks {rank_list(told)} stopped" if told else "it says nothing of them")
+        + (f"; nothing of ranks {rank_list(silent)}" if told and silent else ""),
+        ranks=tuple(told), paths=tuple(str(lg.path) for lg in logs)))
 
 
 def _positions_from_failures(ranks: dict[int, tuple[RankLog, Path]]) -> set[int]:
@@ -151,13 +216,17 @@ def _fold_unnamed(rl: RankLog) -> None:
 def _nothing_said(files: list[Path], logs: list[JobLog]) -> str:
     where = files[0] if len(files) == 1 else f"{files[0].parent} ({plural(len(files), 'file')})"
     seen = sum(len(lg.ranks) for lg in logs)
+    if not any(lg.lines for lg in logs):
+        return (f"{where}: empty: a job log gives a verdict from what ranks print when they fail (the NCCL watchdog's "
+                f"timeouts, failed collectives); a job that printed nothing, or a slow one, needs its rings "
+                f"(--megatrace) or profiler traces")
     return (f"{where}: no NCCL watchdog position in it (no 'last enqueued NCCL work: E, last completed NCCL work: C' "
             f"or 'WorkNCCL(SeqNum=S, OpType=...)' line of a rank): a job log gives a verdict only when PyTorch's "
             f"NCCL watchdog reported a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT / the dump signal make every rank report)"
             + (f"; lines of {plural(seen, 'rank')} were read" if seen else ""))
 
 
-def _elastic_exit(trace: TraceSet, log: JobLog, e: TaskExit, ranks: dict[int, tuple[RankLog, Path]]) -> None:
+def _elastic_exit(trace: TraceSet | LogFacts, log: JobLog, e: TaskExit, ranks: dict[int, tuple[RankLog, Path]]) -> None:
     """torchrun's summary of a failed rank. Printed at the end (not in time order), so it counts as a cause only
     for a rank that printed no failed collective: SIGTERM is torchrun ending the rest of the job, and a rank
     whose collective failed exited because another rank stopped (torchrun's own "Root Cause" is merely the
@@ -175,6 +244,31 @@ def _elastic_exit(trace: TraceSet, log: JobLog, e: TaskExit, ranks: dict[int, tu
     trace.facts.procs.setdefault(rank, ProcFact(rank, exit_code=e.code if signal is None else None, signal=signal))
     text = f"torchrun ({log.path.name}:{e.line}): rank {rank} on {e.node} ended with {e.what}"
     trace.facts.notes[rank] = f"{said_before}; {text}" if said_before else text
+
+
+def _srun_exits(trace: TraceSet | LogFacts, log: JobLog, first_timeout: int, failed: set[int]) -> None:
+    """srun's ``task N: Exited with exit code C`` / ``Terminated`` / ``Killed`` lines, in the order srun saw the
+    tasks end. The first task to end on its own (a non-zero exit, or a signal, before Slurm said it ends the step)
+    is a crash; tasks ``Terminated`` or ``Killed`` after it, or after Slurm said it ends the step or job, were
+    ended by Slurm (``--kill-on-bad-exit``, a cancel, the time limit), as procs_document reads the SPANK plugin's
+    exit statuses. Not causes: tasks whose own collective failed or timed out (``failed``: they ended because of
+    another; srun may report them after that one, its lines lag the ranks' own), and every task ending after the
+    log's first NCCL watchdog timeout (its abort)."""
+    culprit_seen = False
+    for e in log.exits:
+        if e.launcher != "srun" or (first_timeout and e.line > first_timeout) or set(e.tasks) <= failed:
+            continue
+        signal = None if e.code is not None else next((name for w, name in SIGNAL_NAMES.items()
+                                                       if e.what.startswith(w)), None)
+        if not e.code and signal is None:
+            continue
+        ended_by_slurm = signal in SLURM_STOPS and (culprit_seen or (log.stepping or e.line + 1) < e.line)
+        culprit_seen = culprit_seen or not ended_by_slurm
+        for t in e.tasks:
+            trace.facts.procs.setdefault(t, ProcFact(t, exit_code=e.code, signal=signal,
+                                                     killed_by_launcher=ended_by_slurm))
+            trace.facts.notes.setdefault(t, f"Slurm ({log.path.name}:{e.line}): task {t} on {e.node}: {e.what}"
+                                            + (" (Slurm ending the step)" if ended_by_slurm else ""))
 
 
 def _world(logs: list[JobLog], ranks: dict[int, tuple[RankLog, Path]], layout: Layout | None) -> int:
@@ -242,7 +336,7 @@ def _share_ops(ranks: list[ImportedRank]) -> None:
                 c["op"][i] = next(iter(ops))
 
 
-def _facts(trace: TraceSet, logs: list[JobLog], ranks: dict[int, tuple[RankLog, Path]]) -> None:
+def _facts(trace: TraceSet | LogFacts, logs: list[JobLog], ranks: dict[int, tuple[RankLog, Path]]) -> None:
     """What the log says of how each rank stopped: notes, crashes before the first timeout, the job's outcome.
 
     Line order within one file is time order: an exception or a task's exit before the file's first timeout
@@ -272,15 +366,8 @@ def _facts(trace: TraceSet, logs: list[JobLog], ranks: dict[int, tuple[RankLog, 
         for e in log.exits:
             if e.launcher == "torchrun":
                 _elastic_exit(trace, log, e, ranks)
-                continue
-            if first[log.path] and e.line > first[log.path]:
-                continue  # tasks ending after the timeout: the watchdog's abort, not a cause
-            signal = next((w for w in SIGNALS if e.what.startswith(w)), None) if e.code is None else None
-            if not e.code and signal is None:
-                continue
-            for t in e.tasks:
-                trace.facts.procs.setdefault(t, ProcFact(t, exit_code=e.code, signal=signal))
-                trace.facts.notes.setdefault(t, f"Slurm ({log.path.name}:{e.line}): task {t} on {e.node}: {e.what}")
+        watchdog = min((rl.watchdog_at for rl in log.ranks.values() if rl.watchdog_at), default=0)
+        _srun_exits(trace, log, watchdog, {r for r, (rl, _) in ranks.items() if rl.timed_out_at})
     missing = [r for r in trace.missing_ranks if r not in ranks]
     timed_out = [r for r, (rl, _) in ranks.items() if rl.timed_out_at]
     if timed_out:

@@ -71,7 +71,12 @@ ELASTIC_EXIT = re.compile(r"^(-?\d+) \(pid: \d+\)(?:\s+\((?P<sig>SIG[A-Z0-9]+)\)
 CANCELLED = re.compile(r"\*\*\* (?P<what>JOB|STEP) (?P<id>[\d.]+) ON (?P<node>\S+) CANCELLED AT (?P<at>\S+)"
                        r"(?: DUE TO (?P<why>[A-Z ]+?))? \*\*\*")
 OOM = re.compile(r"oom[-_]kill event|Out Of Memory|exceeded memory limit")
-SIGNALS = ("killed", "terminated", "aborted", "segmentation fault", "out of memory", "bus error")
+# srun's words for a task ended by a signal -> the signal (an "out of memory" kill is the kernel's SIGKILL)
+SIGNAL_NAMES = {"killed": "SIGKILL", "terminated": "SIGTERM", "aborted": "SIGABRT", "segmentation fault": "SIGSEGV",
+                "out of memory": "SIGKILL (out of memory)", "bus error": "SIGBUS"}
+# srun saying it ends the step (--kill-on-bad-exit, a cancel, the time limit): tasks that end after it were ended
+STEP_STOP = re.compile(r"^srun: (?:launch/slurm: _step_signal: Terminating StepId=|Job step aborted:|"
+                       r"forcing job termination|Force Terminated)")
 
 
 @dataclass
@@ -102,6 +107,7 @@ class RankLog:
     first_line: int = 0
     exception: tuple[int, str] | None = None  # (line, "Type: message") of the first exception ending a traceback
     timed_out_at: int = 0  # the first line saying this rank timed out (watchdog or gloo)
+    watchdog_at: int = 0  # the first line of the NCCL watchdog saying it timed out (not gloo's failures)
     comm_error: tuple[int, str] | None = None  # (line, text) of the first failed collective's exception (gloo's)
     dump_from: int = -1  # the rank whose timeout sent this one a dump signal
 
@@ -130,6 +136,7 @@ class JobLog:
     ranks: dict[int, RankLog] = field(default_factory=dict)
     exits: list[TaskExit] = field(default_factory=list)
     cancelled: tuple[int, str] | None = None  # (line, reason) of Slurm's CANCELLED line
+    stepping: int | None = None  # the first line where Slurm said it ends the step or job (STEP_STOP, CANCELLED)
     oom: list[tuple[int, str]] = field(default_factory=list)
     lines: int = 0
     matched: int = 0  # lines that said something this module reads
@@ -218,9 +225,14 @@ def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: d
                                   int(code.group(1)) if code else None))
         log.matched += 1
         return
+    if STEP_STOP.match(text):
+        log.stepping = log.stepping or n
+        log.matched += 1
+        return
     c = CANCELLED.search(text)
     if c:
         log.cancelled = (n, (c.group("why") or "cancelled").strip().lower())
+        log.stepping = log.stepping or n
         log.matched += 1
         return
     if OOM.search(text) and not text.startswith("srun: error:") and "error:" in text:
@@ -248,6 +260,7 @@ def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: d
         g.timeout_ms = int(fields.get("Timeout(ms)", -1))
         g.ran_ms = int(w.group("ran") or -1)
         rank.timed_out_at = rank.timed_out_at or n
+        rank.watchdog_at = rank.watchdog_at or n
         rank.event(n, "timeout", text)
     elif last:
         g = _group(rank, tag)
@@ -261,6 +274,7 @@ def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: d
             rank.event(n, "dump-signal", text)
         else:
             rank.timed_out_at = rank.timed_out_at or n
+            rank.watchdog_at = rank.watchdog_at or n
             rank.event(n, "timeout", text)
     elif HEARTBEAT.search(text) or FAILED_OPS.search(text):
         rank.event(n, "heartbeat" if HEARTBEAT.search(text) else "abort", text)
