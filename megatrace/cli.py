@@ -155,6 +155,8 @@ Examples:
   megatrace analyze traces/ --quick        # a hung job: who is stuck, in seconds
   megatrace analyze fr-dumps/ -o /tmp/job-1234   # everything it writes goes there
   megatrace analyze slurm-1234.out         # a job never traced: its output log's NCCL watchdog lines
+  megatrace analyze --job 1234             # the same, its output files found through Slurm
+  megatrace analyze megatrace-1234/step-0 --with-log slurm-1234.out   # rings, and the log for ranks without one
 
 \b
 Output: findings.json, report.html, trace.json and job.yaml go to --out: by default TRACE_DIR
@@ -168,7 +170,14 @@ Exit status:
   2  bad command-line usage
   3  a finding at or above --fail-on severity
 """)
-@click.argument("trace_dir", type=click.Path(path_type=str))
+@click.argument("trace_dir", type=click.Path(path_type=str), required=False)
+@click.option("--job", "job_id", metavar="JOBID",
+              help="A Slurm job: its output files (StdOut, StdErr) are found through scontrol, or sacct once the job "
+                   "has left the queue, and read as its log; with TRACE_DIR, as --with-log.")
+@click.option("--with-log", "job_logs", multiple=True, metavar="FILE",
+              type=click.Path(dir_okay=False, exists=True, path_type=str),
+              help="The job's output file (repeatable): for the ranks that have no ring, what it says of how they "
+                   "stopped (an exception, Slurm's task exit, the NCCL watchdog's position) is merged in.")
 @click.option("--layout", "layout_file", type=click.Path(dir_okay=False, exists=True),
               help="Parallel layout YAML [default: DIR/layout.yaml when present].")
 @click.option("--tp", type=click.IntRange(1), help="Tensor-parallel size (instead of --layout).")
@@ -193,15 +202,16 @@ Exit status:
                    "(rank_<R>.log), NCCL Inspector JSON lines, PyTorch profiler (Kineto) traces, an NCCL RAS report "
                    "(ncclras output) or a job's output log (PyTorch's NCCL watchdog lines; TRACE_DIR may then be "
                    "the file); auto detects it (docs/importers.md).")
-def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
-            out_dir: str | None, json_path: str | None, fail_on: str | None, quick: bool, no_report: bool,
-            trace_format: str) -> None:
+def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...], layout_file: str | None,
+            tp: int | None, pp: int | None, dp: int | None, out_dir: str | None, json_path: str | None,
+            fail_on: str | None, quick: bool, no_report: bool, trace_format: str) -> None:
     """Analyze a trace directory: name the rank, group or link that hung or failed the job.
 
     TRACE_DIR holds the ring files (in TRACE_DIR/rings/ or directly), and optionally
     layout.yaml and procs.json; or another tool's trace (--format), or it is a job's
-    output log (slurm-<id>.out), read for the NCCL watchdog's positions. The verdict is printed first; every finding goes to
-    findings.json (schema: docs/findings-schema.md). With --quick, a slow job is not
+    output log (slurm-<id>.out), read for the NCCL watchdog's positions and how ranks
+    ended (--job finds it through Slurm). The verdict is printed first; every finding goes
+    to findings.json (schema: docs/findings-schema.md). With --quick, a slow job is not
     diagnosed (stragglers and the critical path need whole iterations).
     """
     from megatrace.analyze.engine import LayoutSpec, analyze as run_analysis, output_dir
@@ -213,9 +223,17 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
     if layout_file and (tp or pp or dp):
         raise click.UsageError("give either --layout or --tp/--pp/--dp, not both")
     layout = layout_file or (LayoutSpec(tp, pp, dp) if (tp or pp or dp) else None)
+    if trace_dir is None and job_id is None:
+        raise click.UsageError("give TRACE_DIR (a trace directory or a job's output file), or --job JOBID")
+    logs = list(job_logs)
+    if job_id is not None:
+        found = _job_output_files(job_id, trace_dir is not None)
+        if trace_dir is None:
+            trace_dir, found = str(found[0]), found[1:]
+        logs += [str(p) for p in found if str(p) not in logs]
     try:
         result = run_analysis(trace_dir, layout=layout, mode="hang" if quick else "full", format=trace_format,
-                              out_dir=out_dir)
+                              out_dir=out_dir, job_logs=logs)
     except (TraceLoadError, LayoutError) as exc:
         raise MegatraceError(str(exc)) from None
     out = Path(out_dir) if out_dir is not None else output_dir(result.trace)
@@ -232,7 +250,7 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
                    + (f"; not run: {', '.join(skipped)}" if skipped else ""), err=True)
     click.echo(render_summary(result, out_dir=out))
     target = json_path or str(out / "findings.json")
-    result.results["command"] = _analyze_command(trace_dir, layout_file, tp, pp, dp, quick)  # shown in the report
+    result.results["command"] = _analyze_command(trace_dir, layout_file, tp, pp, dp, quick, logs)  # for the report
     if trace_format != "auto":
         result.results["command"] += f" --format {trace_format}"
     try:
@@ -247,12 +265,30 @@ def analyze(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | N
         sys.exit(3)
 
 
+def _job_output_files(job_id: str, given_dir: bool) -> list[Path]:
+    """The output files of Slurm job ``job_id`` (``--job``), said on stderr; a traced job's rings are pointed at."""
+    from megatrace.collect.slurm import JobLookupError, job_output
+
+    try:
+        found = job_output(job_id)
+    except JobLookupError as exc:
+        raise MegatraceError(str(exc)) from None
+    click.echo(f"job {job_id}: its output: {', '.join(map(str, found.files))} (from {found.source})"
+               + "".join(f"; not read: {u}" for u in found.unreadable), err=True)
+    rings = Path(found.work_dir or "/nonexistent") / f"megatrace-{job_id}"
+    if not given_dir and any(rings.glob("step-*/rings/rank-*.ring")):
+        click.echo(f"job {job_id} was traced: its rings are in {rings} (megatrace analyze {rings}/step-N --job "
+                   f"{job_id} reads both)", err=True)
+    return found.files
+
+
 def _analyze_command(trace_dir: str, layout_file: str | None, tp: int | None, pp: int | None, dp: int | None,
-                     quick: bool) -> str:
+                     quick: bool, logs: tuple[str, ...] | list[str] = ()) -> str:
     """The command line that reproduces this analysis (paths made absolute)."""
     import shlex
 
     args = ["megatrace", "analyze", os.path.abspath(trace_dir)]
+    args += [a for log in logs for a in ("--with-log", os.path.abspath(log))]
     if layout_file:
         args += ["--layout", os.path.abspath(layout_file)]
     args += [a for k, v in (("--tp", tp), ("--pp", pp), ("--dp", dp)) if v for a in (k, str(v))]

@@ -109,3 +109,22 @@ def test_job_fields_reads_the_multi_line_record_of_scontrol(tmp_path: Path) -> N
                     'printf "JobId=7 JobName=a b\\n   StdOut=/x y/out.txt\\n"\n')
     fake.chmod(0o755)
     assert job_fields("7", str(fake)) == {"JobId": "7", "JobName": "a b", "StdOut": "/x y/out.txt"}
+
+
+def test_sbatch_output_patterns_are_expanded_from_the_jobs_record() -> None:
+    from megatrace.collect.slurm import expand_file_pattern
+
+    fields = {"JobId": "1234", "JobName": "pretrain", "UserId": "alice(1000)", "NodeList": "gpu[07-08]",
+              "ArrayJobId": "1230", "ArrayTaskId": "4"}
+    assert expand_file_pattern("logs/%x-%j.out", fields) == "logs/pretrain-1234.out"
+    assert expand_file_pattern("%A_%a.%u.%N.%%.txt", fields) == "1230_4.alice.gpu07.%.txt"
+    assert expand_file_pattern("run-%8j.log", fields) == "run-00001234.log"
+    assert expand_file_pattern("/abs/slurm-1234.out", fields) == "/abs/slurm-1234.out"  # scontrol's, expanded
+
+
+def test_a_job_id_that_is_not_one_is_refused_before_slurm_is_asked() -> None:
+    from megatrace.collect.slurm import JobLookupError, job_output
+
+    for bad in ("12;rm", "../1", "", "1_2_3"):
+        with pytest.raises(JobLookupError, match="not a Slurm job id"):
+            job_output(bad, scontrol="/nonexistent/scontrol", sacct="/nonexistent/sacct")

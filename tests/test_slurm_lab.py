@@ -989,6 +989,34 @@ def test_a_crashed_rank_is_named_by_the_report_at_job_end(lab, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rank_without_a_ring_is_named_from_the_jobs_output(lab, tmp_path):
+    """Rank 2 runs untraced (MEGATRACE_ENABLE=0 in its task) and crashes: the epilog's report reads slurm-<id>.out
+    (found through scontrol, as the user) for the rank without a ring; ``megatrace analyze --job`` finds the same
+    file, and a job Slurm does not know is said so."""
+    script = f"""export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) OMP_NUM_THREADS=1
+srun -N4 -n8 --overcommit --kill-on-bad-exit=1 bash -c '[ "$SLURM_PROCID" = 2 ] && export MEGATRACE_ENABLE=0; \
+exec {PYTHON} -m megatrace.demo --tp 2 --pp 2 --dp 2 --steps 20 --fault crash:rank=2,step=3 --comm-timeout 900 \
+-o "$MEGATRACE_OUT_DIR/step-0"'
+"""
+    job = submit(script, tmp_path, "--megatrace=hang-timeout=60", "-N4", "-n8", "--overcommit")
+    info = wait_job(job, timeout=240)
+    assert info["JobState"] == "FAILED", output(tmp_path, job)
+    step = tmp_path / f"megatrace-{job}" / "step-0"
+    assert len(list((step / "rings").glob("rank-*.ring"))) == 7 and not (step / "rings" / "rank-00002.ring").exists()
+    top = _top_finding(step)
+    assert top["kind"] == "crashed-process" and top["subject"]["rank"] == 2, top
+    assert f"no ring; Slurm (out-{job}.txt:" in json.dumps(top["evidence"]), top["evidence"]
+    by_job = _run([PYTHON, "-m", "megatrace.cli", "analyze", "--job", job, "-o", str(tmp_path / "by-job"),
+                   "--no-report"], timeout=120, cwd="/")
+    assert by_job.returncode == 0, by_job.stderr
+    assert f"job {job}: its output: {tmp_path / f'out-{job}.txt'} (from scontrol)" in by_job.stderr, by_job.stderr
+    assert by_job.stdout.startswith("VERDICT [critical] rank 2") and "crashed" in by_job.stdout.splitlines()[0]
+    unknown = _run([PYTHON, "-m", "megatrace.cli", "analyze", "--job", "99999999"], timeout=120)
+    assert unknown.returncode == 1 and "job 99999999: Slurm does not know it" in unknown.stderr, unknown.stderr
+    assert "Traceback" not in unknown.stderr
+
+
+@pytest.mark.slow
 def test_a_job_reaching_its_time_limit_is_reported_before_the_kill(lab, tmp_path):
     """The agents collect 90 s before the 2-minute limit; Slurm kills the job at the limit."""
     job = _demo_job(tmp_path, "slow:rank=3,factor=2", "--megatrace=hang-timeout=60", 100000, "--time=2")

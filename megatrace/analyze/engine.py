@@ -18,7 +18,7 @@ seconds at 16,384 ranks, without the analyzers that need whole iterations.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,15 @@ def output_dir(trace: TraceSet) -> Path:
     return path if not trace.imported else path.resolve().parent / f"{path.resolve().name}-megatrace"
 
 
+def _one_job_log(path: Path, format: str) -> bool:  # noqa: A002 - load_trace's format
+    """Whether ``path`` is read as a job output log (one file, not an NCCL RAS report)."""
+    if format not in ("auto", "job-log") or not path.is_file():
+        return False
+    from megatrace.analyze.importers.detect import looks_like_nccl_ras
+
+    return format == "job-log" or not looks_like_nccl_ras(path)
+
+
 def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None, given: bool,
                 out_dir: Path | None = None) -> Any:
     """Build the job configuration (megatrace.jobconfig), write ``job.yaml`` into ``out_dir`` (default:
@@ -216,7 +225,7 @@ def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None
 def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | None = None,
             stages: list[tuple[str, Stage]] | None = None, mode: str = "full",
             format: str = "auto",  # noqa: A002 - load_trace's format (docs/importers.md)
-            out_dir: str | Path | None = None) -> AnalysisResult:
+            out_dir: str | Path | None = None, job_logs: Sequence[str | Path] = ()) -> AnalysisResult:
     """Analyse a trace directory and return ordered findings (the first one is the verdict).
 
     ``layout``: a :class:`Layout`, a :class:`LayoutSpec` (sizes from the command line), a path to a
@@ -224,6 +233,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     ``mode``: ``"full"`` (everything) or ``"hang"`` (tails only; of ``stages``, default :data:`STAGES`,
     only those in :data:`HANG_MODE_STAGES` run; ``results["skipped_stages"]`` names the others).
     ``out_dir``: where ``job.yaml`` goes (default :func:`output_dir`: never inside an imported format's files).
+    ``job_logs``: the job's output files, read for the ranks that have no ring (:func:`merge_job_logs`).
     Raises :class:`megatrace.analyze.load.TraceLoadError` when the directory is not a trace and
     :class:`megatrace.config.LayoutError` when a given layout file is unreadable.
     """
@@ -236,7 +246,17 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     t0 = time.perf_counter()
     spec = layout if isinstance(layout, LayoutSpec) else None
     given = load_layout(layout) if isinstance(layout, (str, Path)) else layout if isinstance(layout, Layout) else None
-    trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None, format=format)
+    logs = [Path(p) for p in job_logs]
+    if logs and _one_job_log(Path(trace_dir), format):  # the job's output in several files (StdOut, StdErr)
+        from megatrace.analyze.importers.job_log import load_job_log
+
+        trace = load_job_log(Path(trace_dir), given, more=logs)
+    else:
+        trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None, format=format)
+        if logs:
+            from megatrace.analyze.importers.job_log import merge_job_logs
+
+            merge_job_logs(trace, logs)
     if spec is not None:
         try:
             trace.layout = fit_layout(spec.resolve(trace.world_size), trace.world_size, "--tp/--pp/--dp",

@@ -272,8 +272,10 @@ Example (the epilog, as the job's user, after copying this node's rings):
 \b
 Every node marks itself done in <state-dir>/epilog/<node>; the first node of --nodes waits
 (at most --wait) for the others, then runs megatrace analyze on each step-<s> directory of
-the job directory that has rings and no findings.json yet. Exit status 0 unless the options
-are wrong: an epilog must not fail because an analysis did.
+the job directory that has rings and no findings.json yet, handing it the job's output files
+(--output, else those Slurm names for --job-id) for the ranks without a ring; when no step
+has rings, it analyses the output alone into <job-dir>/job-output/. Exit status 0 unless the
+options are wrong: an epilog must not fail because an analysis did.
 """)
 @click.option("--job-dir", type=click.Path(file_okay=False, exists=True), required=True,
               help="The job directory (the SPANK plugin's dir=, holding step-<s>/rings/).")
@@ -287,8 +289,12 @@ are wrong: an epilog must not fail because an analysis did.
               help="Seconds the first node waits for the others' marks.")
 @click.option("--analyze-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
               help="Seconds allowed for each step's analysis.")
+@click.option("--job-id", envvar="SLURM_JOB_ID", show_envvar=True,
+              help="The Slurm job, whose output files (found through scontrol) are read for ranks without rings.")
+@click.option("--output", "outputs", multiple=True, type=click.Path(dir_okay=False), metavar="FILE",
+              help="The job's output file (repeatable) [default: the StdOut and StdErr of --job-id].")
 def job_end(job_dir: str, state_dir: str | None, node: str | None, nodes: str | None, wait: float,
-            analyze_timeout: float) -> None:
+            analyze_timeout: float, job_id: str | None, outputs: tuple[str, ...]) -> None:
     """At the end of a traced job: analyse every step that no collection covered (run by the epilog)."""
     from megatrace.collect.job_end import finish_job
     from megatrace.collect.node import node_name
@@ -296,7 +302,8 @@ def job_end(job_dir: str, state_dir: str | None, node: str | None, nodes: str | 
     this = node or node_name()
     try:
         done = finish_job(job_dir, state_dir or os.path.join(job_dir, ".agents"), this, _expected(nodes), wait,
-                          analyze_timeout, log=lambda msg: click.echo(msg, err=True))
+                          analyze_timeout, log=lambda msg: click.echo(msg, err=True), job_id=job_id,
+                          output_files=list(outputs) if outputs else None)
     except OSError as exc:
         raise CollectUsageError(f"cannot mark {this} done in {state_dir or job_dir}: {exc.strerror or exc}") \
             from None

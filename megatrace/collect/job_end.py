@@ -32,6 +32,7 @@ from megatrace.collect import safefs
 
 WAIT_S = 30.0
 ANALYZE_TIMEOUT_S = 300.0
+OUTPUT_REPORT_DIR = "job-output"  # the report of a job's output when no rank left a ring
 STEP_DIR_RE = re.compile(r"step-([0-9]+|batch|interactive)")
 
 
@@ -69,8 +70,12 @@ def steps_to_analyse(job_dir: Path) -> tuple[list[Path], dict[str, str]]:
 
 def finish_job(job_dir: str, state_dir: str, node: str, nodes: list[str] | None, wait_s: float = WAIT_S,
                analyze_timeout_s: float = ANALYZE_TIMEOUT_S, log: Callable[[str], None] = lambda m: None,
-               ) -> JobEnd:
-    """Mark ``node`` done; on the leader, wait for the others and analyse what no collection covered."""
+               job_id: str | None = None, output_files: list[str] | None = None) -> JobEnd:
+    """Mark ``node`` done; on the leader, wait for the others and analyse what no collection covered.
+
+    The job's output files (``output_files``, else those Slurm names for ``job_id``) are handed to each analysis,
+    which reads them for the ranks without a ring; when no step has rings at all, they are analysed on their own,
+    into ``<job_dir>/job-output/``."""
     nodes = [n for n in (nodes or []) if n] or [node]
     result = JobEnd(node=node, leader=nodes[0])
     marks = Path(state_dir) / "epilog"
@@ -89,6 +94,7 @@ def finish_job(job_dir: str, state_dir: str, node: str, nodes: list[str] | None,
         log(f"job-end: no epilog mark from {', '.join(result.missing_nodes)} after {wait_s:g} s; "
             "analysing what arrived")
     todo, result.skipped = steps_to_analyse(Path(job_dir))
+    outputs = [Path(f) for f in output_files] if output_files is not None else _job_outputs(job_id, log)
     exits = read_task_exits(Path(state_dir) / "exits")
     for step in todo:
         step_exits = exits.get(step.name.removeprefix("step-"))
@@ -97,9 +103,26 @@ def finish_job(job_dir: str, state_dir: str, node: str, nodes: list[str] | None,
                 (step / "procs.json").write_text(json.dumps(procs_document(step_exits), indent=1) + "\n")
             except OSError as exc:
                 log(f"job-end: {step.name}: cannot write procs.json: {exc.strerror or exc}")
-        result.analysed[step.name] = _analyse(step, analyze_timeout_s)
+        result.analysed[step.name] = _analyse(step, analyze_timeout_s, outputs)
         log(f"job-end: {step.name}: {result.analysed[step.name]}")
+    if outputs and not todo and not any(why != "no rings" for why in result.skipped.values()):
+        out = Path(job_dir) / OUTPUT_REPORT_DIR  # no rank left a ring: what the job printed is all there is
+        result.analysed[OUTPUT_REPORT_DIR] = _analyse(outputs[0], analyze_timeout_s, outputs[1:], out)
+        log(f"job-end: no rings; the job's output: {result.analysed[OUTPUT_REPORT_DIR]}")
     return result
+
+
+def _job_outputs(job_id: str | None, log: Callable[[str], None]) -> list[Path]:
+    """The job's output files as Slurm names them (none without a job id, or when Slurm cannot say)."""
+    if not job_id:
+        return []
+    from megatrace.collect.slurm import JobLookupError, job_output
+
+    try:
+        return job_output(job_id).files
+    except JobLookupError as exc:
+        log(f"job-end: the job's output is not read: {exc}")
+        return []
 
 
 @dataclass(frozen=True)
@@ -171,8 +194,11 @@ def procs_document(exits: list[TaskExit]) -> dict[str, Any]:
             "collected_by": "megatrace job-end"}
 
 
-def _analyse(step: Path, timeout_s: float) -> str:
+def _analyse(step: Path, timeout_s: float, logs: list[Path] = (), out: Path | None = None) -> str:
+    """``megatrace analyze STEP --with-log ...`` in a child process; its verdict line, or what went wrong."""
     cmd = [sys.executable, "-m", "megatrace.cli", "analyze", str(step)]
+    cmd += [a for f in logs for a in ("--with-log", str(f))]
+    cmd += ["-o", str(out)] if out is not None else []
     try:
         proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -183,7 +209,7 @@ def _analyse(step: Path, timeout_s: float) -> str:
     if proc.returncode not in (0, 3) or not verdict:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return f"analysis failed (exit {proc.returncode}): {tail[:300]}"
-    report = step / "report.html"
+    report = (out or step) / "report.html"
     return verdict + (f"; report: {report}" if report.exists() else "")
 
 

@@ -8,7 +8,8 @@ The functions here are what the prolog, the epilog and the lab call:
 * :func:`expand_hostlist` expands ``SLURM_JOB_NODELIST`` (``n[1-4],gpu[01-03,07]``)
   without calling ``scontrol``;
 * :func:`hang_action` cancels or requeues the job after a confirmed hang (``--on-hang``), saying why;
-* :func:`job_fields` and :func:`end_time` read the job's record (the agent's time-limit watch).
+* :func:`job_fields` and :func:`end_time` read the job's record (the agent's time-limit watch);
+* :func:`job_output` finds a job's output files (``megatrace analyze --job``, the end-of-job report).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 ON_HANG = ("report", "cancel", "requeue")
 SCONTROL_TIMEOUT_S = 30.0
@@ -273,3 +276,113 @@ def _scontrol_update(job_id: str, setting: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
     return None if proc.returncode == 0 else (proc.stderr.strip() or f"exit {proc.returncode}")[:200]
+
+
+# -- a job's output files (megatrace analyze --job, job-end) ------------------------------------------
+
+JOB_ID_RE = re.compile(r"[0-9]{1,12}(?:_[0-9]{1,9})?")
+FILE_PATTERN = re.compile(r"%(\d{0,2})([AaJjNnstux%])")  # sbatch's filename patterns (man sbatch)
+SACCT_FIELDS = ("JobIDRaw", "JobName", "User", "WorkDir", "NodeList", "StdOut", "StdErr")  # StdOut: Slurm 23.02+
+
+
+class JobLookupError(Exception):
+    """Slurm does not know the job, or names no output file of it; the message says what was asked and why."""
+
+
+@dataclass
+class JobOutput:
+    """Where a Slurm job's output went: the files that exist, and those Slurm named that cannot be read."""
+
+    job_id: str
+    files: list[Path]
+    source: str  # "scontrol", "sacct", or "sacct (default name)"
+    work_dir: str = ""
+    unreadable: list[str] = field(default_factory=list)  # "PATH: why"
+
+
+def job_output(job_id: str, scontrol: str = "scontrol", sacct: str = "sacct") -> JobOutput:
+    """The output files (StdOut, StdErr) of job ``job_id``: from ``scontrol show job`` while Slurm holds the job,
+    else from ``sacct`` (which names them from Slurm 23.02; before, the sbatch default ``slurm-<id>.out`` in
+    its working directory). Patterns (``%j``, ``%x``, ...) are expanded. Raises :class:`JobLookupError`."""
+    if not JOB_ID_RE.fullmatch(job_id):
+        raise JobLookupError(f"--job {job_id!r}: not a Slurm job id (digits, or ARRAYID_TASK for an array task)")
+    fields = job_fields(job_id, scontrol)
+    source = "scontrol"
+    if not fields.get("JobId"):
+        fields, source = _sacct_fields(job_id, sacct)
+    names = [fields.get("StdOut", ""), fields.get("StdErr", "")]
+    if not any(names):
+        array = fields.get("ArrayTaskId") not in (None, "", "N/A")
+        names = ["slurm-%A_%a.out" if array else "slurm-%j.out"]
+        source += " (default name)"
+    work = fields.get("WorkDir", "")
+    files: list[Path] = []
+    unreadable: list[str] = []
+    for name in dict.fromkeys(n for n in names if n and n != "/dev/null"):
+        path = Path(expand_file_pattern(name, fields))
+        if not path.is_absolute():
+            path = Path(work or ".") / path
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            unreadable.append(f"{path}: {exc.strerror}")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            unreadable.append(f"{path}: not a regular file")
+        elif not os.access(path, os.R_OK):
+            unreadable.append(f"{path}: not readable by this user")
+        else:
+            files.append(path)
+    if not files:
+        raise JobLookupError(f"job {job_id}: no output file to read ({source}): "
+                             + ("; ".join(unreadable) or "Slurm names none")
+                             + " (give the file: megatrace analyze FILE)")
+    return JobOutput(job_id, files, source, work, unreadable)
+
+
+def _sacct_fields(job_id: str, sacct: str) -> tuple[dict[str, str], str]:
+    """The job's fields from the accounting database (only those :func:`expand_file_pattern` and :func:`job_output`
+    use); the fields a release lacks (StdOut, StdErr before 23.02) are left out."""
+    errors = []
+    for names in (SACCT_FIELDS, SACCT_FIELDS[:5]):
+        try:
+            proc = subprocess.run([sacct, "-j", job_id, "-X", "-n", "-P", "-o", ",".join(names)], capture_output=True,
+                                  text=True, timeout=SCONTROL_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise JobLookupError(f"job {job_id}: scontrol does not know it and sacct cannot run: {exc}") from None
+        line = next((ln for ln in proc.stdout.splitlines() if ln.strip()), "")
+        if proc.returncode == 0 and line:
+            values = line.split("|", len(names) - 1)
+            fields = dict(zip(names, values))
+            fields["JobId"] = fields.pop("JobIDRaw", job_id)
+            fields["UserId"] = fields.pop("User", "")
+            if "_" in job_id:
+                fields["ArrayJobId"], fields["ArrayTaskId"] = job_id.split("_", 1)
+            return fields, "sacct"
+        errors.append(_clip(proc.stderr.strip() or "no such job", 200))
+    raise JobLookupError(f"job {job_id}: Slurm does not know it (scontrol: not held any more; sacct: {errors[-1]})")
+
+
+def expand_file_pattern(name: str, fields: Mapping[str, str]) -> str:
+    """An sbatch ``--output`` name with its patterns replaced from the job's fields (``%j`` job id, ``%A``/``%a``
+    array job/task, ``%x`` name, ``%u`` user, ``%N`` first node, ``%%``; ``%5j`` pads to five digits)."""
+    if "%" not in name:
+        return name
+    job = fields.get("JobId", "")
+    array_job = fields.get("ArrayJobId") or job
+    task = fields.get("ArrayTaskId") if fields.get("ArrayTaskId") not in (None, "N/A") else "4294967294"
+    nodes = fields.get("BatchHost") or fields.get("NodeList") or ""
+    try:
+        first = expand_hostlist(nodes)[0] if nodes and nodes != "(null)" else ""
+    except (ValueError, IndexError):
+        first = ""
+    values = {"A": array_job, "a": task, "J": job, "j": job, "N": first, "n": "0", "s": "batch", "t": "0",
+              "u": fields.get("UserId", "").split("(", 1)[0], "x": fields.get("JobName", "")}
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(2) == "%":
+            return "%"
+        value = values[m.group(2)]
+        return value.zfill(int(m.group(1))) if m.group(1) and value.isdigit() else value
+
+    return FILE_PATTERN.sub(one, name)
