@@ -530,8 +530,12 @@ class Agent:
         except (OSError, subprocess.TimeoutExpired) as exc:
             result = {"trigger": trigger, "command": cmd, "rc": None, "error": str(exc)}
         self.collections.append(result)
-        self.log(f"agent {self.cfg.node}: collector ({trigger}) exit {result.get('rc')} after "
-                 f"{result.get('seconds', '?')} s")
+        line = (f"agent {self.cfg.node}: collector ({trigger}) exit {result.get('rc')} after "
+                f"{result.get('seconds', '?')} s")
+        if result.get("rc") != 0:  # its last word says why (e.g. an srun of another Slurm release)
+            last = str(result.get("error") or result.get("stderr") or "").strip().splitlines()
+            line += f": {last[-1][:300]}" if last else ""
+        self.log(line)
         try:
             self.state.write(f"collect-{trigger}.json", json.dumps(result, indent=1).encode(), replace=True)
         except OSError:
