@@ -33,7 +33,27 @@ def lab() -> dict:
     out = subprocess.run([MEGATRACE, "lab", "status", "--json"], capture_output=True, text=True, timeout=60).stdout
     status = json.loads(out)
     assert status["up"] and len(status["nodes"]) == 4, status
+    _use_lab_slurm()
     return status
+
+
+def _use_lab_slurm() -> None:
+    """A lab up on a Slurm under a prefix (lab up --slurm-source): its commands first on PATH, for every test."""
+    from megatrace.lab import daemons
+    from megatrace.lab.control import lab_slurm
+    from megatrace.lab.paths import LabPaths
+    from megatrace.lab.slurm_install import activate
+
+    try:
+        state = daemons.load_state(LabPaths.default())
+    except (OSError, ValueError):  # (not this user's to read, or not JSON: no lab of ours)
+        return
+    if any(d.alive() for d in daemons.recorded(state)):
+        activate(lab_slurm(state))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _use_lab_slurm()
 
 
 

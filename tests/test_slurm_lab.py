@@ -768,7 +768,8 @@ def test_the_agents_catch_the_demo_hang_report_it_within_90_s_and_cancel_the_job
     os.chmod(site_bin / "scancel", 0o755)
     site = Path("/etc/megatrace/slurm.conf")
     site_text = site.read_text()
-    site.write_text(site_text + f"SLURM_BIN={site_bin}\n")
+    lab_bins = lab["slurm"]["bin_dirs"]  # (a lab on a source build: the rest of the site's Slurm is there)
+    site.write_text(site_text + f"SLURM_BIN={site_bin}{':' + lab_bins if lab_bins else ''}\n")
     try:
         report = run(demo, tmp_path, log=lambda m: None)
     finally:

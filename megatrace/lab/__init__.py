@@ -3,7 +3,8 @@
 ``megatrace lab up|down|status``; one module per concern: :mod:`.paths` (where
 things live), :mod:`.install` (packages, plugin, scripts), :mod:`.slurmconf`
 (configuration files), :mod:`.daemons` (start, stop, status by recorded pid) and
-:mod:`.demo` (the demo job under ``sbatch --megatrace``).
+:mod:`.demo` (the demo job under ``sbatch --megatrace``) and :mod:`.slurm_install` (which Slurm release
+it runs: Debian's, one under a prefix, or one built from source).
 """
 
 

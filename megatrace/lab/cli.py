@@ -23,6 +23,7 @@ def _fail(exc: Exception) -> click.ClickException:
 @click.group(context_settings=CONTEXT_SETTINGS, epilog="""\b
 Examples:
   sudo megatrace lab up --nodes 4
+  sudo megatrace lab up --slurm-source slurm-26.05.3.tar.gz     # a current release, built once
   megatrace lab status
   sbatch --megatrace -N4 -n8 --overcommit job.sh
   sudo megatrace lab demo
@@ -34,6 +35,8 @@ def lab() -> None:
     `up` installs what is missing (apt: slurm, munge, libslurm-dev; pip: mpich, mpi4py),
     writes /etc/slurm/slurm.conf (never over a configuration the lab did not write),
     builds and installs the SPANK plugin, prolog and epilog, and starts the daemons.
+    It runs Debian's Slurm, or another release: --slurm PREFIX (installed there) or
+    --slurm-source TARBALL (built once, kept); the lab's commands then use that release.
     `down` stops only the daemons `up` started, by their recorded pids.
     """
 
@@ -43,19 +46,31 @@ def lab() -> None:
 @click.option("--skip-install", is_flag=True, help="Do not install packages, plugin or scripts.")
 @click.option("--health-interval", type=click.IntRange(0), default=300, show_default=True,
               help="Seconds between slurmd's runs of the MegaTrace HealthCheckProgram (0: never).")
+@click.option("--slurm", "slurm_prefix", type=click.Path(file_okay=False, exists=True), metavar="PREFIX",
+              help="Run the Slurm installed under PREFIX (a source build, configured with --enable-multiple-slurmd) "
+                   "[default: the one the lab runs, else Debian's packages].")
+@click.option("--slurm-source", type=click.Path(dir_okay=False, exists=True), metavar="TARBALL",
+              help="Build the Slurm of this source tarball (slurm-X.Y.Z.tar.gz) into /opt/megatrace-slurm and run "
+                   "it; a build of the same tarball and options is reused.")
 @LAB_DIR_OPTION
-def up(nodes: int, skip_install: bool, health_interval: int, lab_dir: str) -> None:
+def up(nodes: int, skip_install: bool, health_interval: int, slurm_prefix: str | None, slurm_source: str | None,
+       lab_dir: str) -> None:
     """Bring the lab up (idempotent: starts only what is not running)."""
-    from megatrace.lab import LabError, control
+    from megatrace.lab import LabError, control, slurm_install
     from megatrace.lab.slurmconf import LabSpec
 
+    if slurm_prefix and slurm_source:
+        raise click.UsageError("give --slurm PREFIX or --slurm-source TARBALL, not both")
+    log = lambda m: click.echo(m, err=True)  # noqa: E731
     try:
-        st = control.up(LabSpec(nodes=nodes, health_interval=health_interval), _paths(lab_dir),
-                        log=lambda m: click.echo(m, err=True),
-                        skip_install=skip_install)
+        slurm = (slurm_install.from_prefix(slurm_prefix) if slurm_prefix else
+                 slurm_install.build_from_source(slurm_source, log) if slurm_source else None)
+        st = control.up(LabSpec(nodes=nodes, health_interval=health_interval), _paths(lab_dir), log=log,
+                        skip_install=skip_install, slurm=slurm)
     except LabError as exc:
         raise _fail(exc) from None
-    click.echo(f"lab up: {len(st['nodes'])} nodes ({', '.join(f'{n} {s}' for n, s in st['nodes'].items())})")
+    on = f" on Slurm {st['slurm']['version']} ({st['slurm']['prefix'] or 'the system'})"
+    click.echo(f"lab up{on}: {len(st['nodes'])} nodes ({', '.join(f'{n} {s}' for n, s in st['nodes'].items())})")
 
 
 @lab.command(context_settings=CONTEXT_SETTINGS)
@@ -85,7 +100,9 @@ def status(as_json: bool, lab_dir: str) -> None:
     if as_json:
         click.echo(json.dumps(st, indent=2))
     else:
-        click.echo(f"lab {'up' if st['up'] else 'down'} ({st['root']})")
+        slurm = st["slurm"]
+        click.echo(f"lab {'up' if st['up'] else 'down'} ({st['root']}); Slurm {slurm['version'] or '?'} "
+                   f"({slurm['prefix'] or 'the system'})")
         for d in st["daemons"]:
             click.echo(f"  {d['name']:<12} pid {d['pid']:<8} {'running' if d['running'] else 'gone'}")
         for node, state in st["nodes"].items():

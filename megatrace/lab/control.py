@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
+from pathlib import Path
 from typing import Callable
 
 from megatrace.lab import LabError
 from megatrace.lab import daemons as dm
 from megatrace.lab import hosts, install, slurmconf
 from megatrace.lab.paths import LabPaths
+from megatrace.lab.slurm_install import SlurmInstall, activate
 from megatrace.lab.slurmconf import LabSpec
 
 Log = Callable[[str], None]
@@ -20,19 +23,30 @@ def _require_root(what: str) -> None:
         raise LabError(f"`megatrace lab {what}` runs Slurm daemons and installs packages: run it as root")
 
 
-def up(spec: LabSpec, paths: LabPaths, log: Log, skip_install: bool = False) -> dict:
-    """Install what is missing, write the configuration, start what is not running. Idempotent."""
+def up(spec: LabSpec, paths: LabPaths, log: Log, skip_install: bool = False,
+       slurm: SlurmInstall | None = None) -> dict:
+    """Install what is missing, write the configuration, start what is not running. Idempotent.
+
+    ``slurm``: the Slurm to run (default: the one a running lab runs, else Debian's packages)."""
     _require_root("up")
     state = dm.load_state(paths)
     running = [d for d in dm.recorded(state) if d.alive()]
     if running and state.get("nodes") not in (None, spec.nodes):
         raise LabError(f"the lab is up with {state['nodes']} nodes; run `megatrace lab down` first")
+    current = lab_slurm(state) if running else None
+    if slurm is None:
+        slurm = current or SlurmInstall()
+    elif current is not None and current != slurm:
+        raise LabError(f"the lab is up on {_name(current)}; run `megatrace lab down` first to run {_name(slurm)}")
+    activate(slurm)
+    paths = dataclasses.replace(paths, slurm_tag=(slurm.version() or "other") if slurm.prefix else "")
     if not skip_install:
-        install.install_all(paths, log)
+        install.install_all(paths, log, slurm)
     conf_changed = slurmconf.install_slurm_conf(spec, paths)
     slurmconf.install_site_conf(paths)
     state["nodes"] = spec.nodes
     state["root"] = str(paths.root)
+    state["slurm_prefix"] = str(slurm.prefix or "")
     dm.save_state(paths, state)
     _resolve_node_names(spec, log)
     dm.start_munge(paths, state, log)
@@ -47,7 +61,9 @@ def up(spec: LabSpec, paths: LabPaths, log: Log, skip_install: bool = False) -> 
 def down(paths: LabPaths, log: Log) -> list[str]:
     """Stop what `up` started (by recorded pid), nothing else."""
     _require_root("down")
-    stopped = dm.stop_all(paths, dm.load_state(paths), log)
+    state = dm.load_state(paths)
+    activate(lab_slurm(state))  # (its scancel cancels the jobs left)
+    stopped = dm.stop_all(paths, state, log)
     try:
         if hosts.remove_nodes():
             log(f"removed the lab's node names from {hosts.HOSTS}")
@@ -70,11 +86,23 @@ def _resolve_node_names(spec: LabSpec, log: Log) -> None:
 
 def status(paths: LabPaths) -> dict:
     state = dm.load_state(paths)
+    slurm = lab_slurm(state)
+    activate(slurm)
     spec = LabSpec(nodes=state.get("nodes") or 0)
     daemons = [{"name": d.name, "pid": d.pid, "running": d.alive()} for d in dm.recorded(state)]
     up_ = bool(daemons) and all(d["running"] for d in daemons)
     nodes = dm.node_states(spec) if up_ and spec.nodes else {}
-    return {"up": up_, "root": str(paths.root), "nodes": nodes, "daemons": daemons}
+    return {"up": up_, "root": str(paths.root), "nodes": nodes, "daemons": daemons, "slurm": slurm.describe()}
+
+
+def lab_slurm(state: dict) -> SlurmInstall:
+    """The Slurm the lab's state records (Debian's when none)."""
+    prefix = state.get("slurm_prefix") or ""
+    return SlurmInstall(Path(prefix)) if prefix else SlurmInstall()
+
+
+def _name(slurm: SlurmInstall) -> str:
+    return f"Slurm {slurm.version() or '?'} ({slurm.prefix})" if slurm.prefix else "the system's Slurm"
 
 
 def require_up(paths: LabPaths) -> dict:

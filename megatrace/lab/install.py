@@ -12,17 +12,17 @@ from typing import Callable
 
 from megatrace.lab import LabError
 from megatrace.lab.paths import LabPaths, repo_root
+from megatrace.lab.slurm_install import SlurmInstall
 
-# Debian package -> a file that proves it is installed.
-APT_PACKAGES = {
+# Debian package -> a file that proves it is installed: what any lab needs, and Debian's Slurm (the default).
+BASE_PACKAGES = {"munge": "/usr/sbin/munged", "make": "/usr/bin/make", "gcc": "/usr/bin/cc"}
+SLURM_PACKAGES = {
     "slurmctld": "/usr/sbin/slurmctld",
     "slurm-client": "/usr/bin/sbatch",
     "slurmd": "/usr/sbin/slurmd",
     "libslurm-dev": "/usr/include/slurm/spank.h",
-    "munge": "/usr/sbin/munged",
-    "make": "/usr/bin/make",
-    "gcc": "/usr/bin/cc",
 }
+APT_PACKAGES = {**SLURM_PACKAGES, **BASE_PACKAGES}
 # Python distribution -> pip requirement (the `mpi` extra): MPICH wheels work with `srun --mpi=pmi2`.
 PIP_PACKAGES = {"mpi4py": "mpi4py>=3.1", "mpich": "mpich"}
 
@@ -37,12 +37,16 @@ def _run(argv: list[str], what: str, env: dict[str, str] | None = None, cwd: Pat
         raise LabError(f"{what} failed (exit {proc.returncode}): {' '.join(argv)}\n{tail}")
 
 
-def missing_apt() -> list[str]:
-    return [pkg for pkg, proof in APT_PACKAGES.items() if not os.path.exists(proof)]
+def missing_apt(packages: dict[str, str] = APT_PACKAGES) -> list[str]:
+    return [pkg for pkg, proof in packages.items() if not os.path.exists(proof)]
 
 
-def ensure_apt(log: Log) -> None:
-    missing = missing_apt()
+def ensure_apt(log: Log, slurm: SlurmInstall = SlurmInstall()) -> None:
+    """The packages the lab needs: Debian's Slurm too unless it runs one under a prefix."""
+    apt_install(missing_apt(APT_PACKAGES if slurm.prefix is None else BASE_PACKAGES), log)
+
+
+def apt_install(missing: list[str], log: Log) -> None:
     if not missing:
         return
     if not shutil.which("apt-get"):
@@ -71,8 +75,8 @@ def ensure_pip(log: Log) -> None:
     _run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *missing], "pip install")
 
 
-def install_plugin(paths: LabPaths, log: Log) -> None:
-    """Build spank_plugin/ and install the .so and the plugstack.conf.d snippet."""
+def install_plugin(paths: LabPaths, log: Log, slurm: SlurmInstall = SlurmInstall()) -> None:
+    """Build spank_plugin/ against ``slurm``'s headers and install the .so and the plugstack.conf.d snippet."""
     src = repo_root() / "spank_plugin"
     if not (src / "Makefile").exists():
         raise LabError(f"no {src}/Makefile: the lab needs a source checkout of megatrace")
@@ -81,7 +85,8 @@ def install_plugin(paths: LabPaths, log: Log) -> None:
     if interposer is not None:
         args += f" nccl_preload={interposer}"
     make = ["make", "-s", "-C", str(src), f"LIBDIR={paths.libexec}", f"PLUGSTACK_DIR={paths.plugstack_dir}",
-            f"MEGATRACE_BIN={paths.megatrace_bin}", f"PLUGSTACK_ARGS={args}"]
+            f"MEGATRACE_BIN={paths.megatrace_bin}", f"PLUGSTACK_ARGS={args}", f"SLURM_INCLUDE={slurm.include}"]
+    _run(make + ["clean"], "cleaning the SPANK plugin's build")  # (objects of another release's headers)
     _run(make + ["all"], "building the SPANK plugin")
     _run(make + ["install"], "installing the SPANK plugin")
     log(f"lab: plugin {paths.plugin}, {paths.plugstack_dir / 'megatrace.conf'}")
@@ -123,8 +128,8 @@ def install_scripts(paths: LabPaths, log: Log) -> None:
     log(f"lab: prolog {paths.prolog}, epilog {paths.epilog}, HealthCheckProgram {paths.healthcheck}")
 
 
-def install_all(paths: LabPaths, log: Log) -> None:
-    ensure_apt(log)
+def install_all(paths: LabPaths, log: Log, slurm: SlurmInstall = SlurmInstall()) -> None:
+    ensure_apt(log, slurm)
     ensure_pip(log)
-    install_plugin(paths, log)
+    install_plugin(paths, log, slurm)
     install_scripts(paths, log)

@@ -26,6 +26,9 @@ class LabPaths:
     site_conf_dir: Path = Path("/etc/megatrace")
     slurm_conf: Path = Path("/etc/slurm/slurm.conf")
     plugstack_dir: Path = Path("/etc/slurm/plugstack.conf.d")
+    # The release of a Slurm under a prefix ("" for Debian's): its controller and slurmd state apart, as a release
+    # refuses the state files of another ("Can not recover assoc_usage state, incompatible version").
+    slurm_tag: str = ""
 
     @classmethod
     def default(cls, root: str | os.PathLike[str] | None = None) -> "LabPaths":
@@ -45,11 +48,11 @@ class LabPaths:
 
     @property
     def spool_dir(self) -> Path:
-        return self.root / "spool"
+        return self.root / ("spool" + (f"-{self.slurm_tag}" if self.slurm_tag else ""))
 
     @property
     def ctld_state_dir(self) -> Path:
-        return self.root / "ctld"
+        return self.root / ("ctld" + (f"-{self.slurm_tag}" if self.slurm_tag else ""))
 
     @property
     def lab_slurm_conf(self) -> Path:
