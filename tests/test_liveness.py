@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from megatrace.analyze.liveness import (FROZEN_NS, GONE, RUNNING, STOPPED, ProcessProbe, assess, process_state)
+from megatrace.analyze.liveness import (ENDING, FROZEN_NS, GONE, RUNNING, STOPPED, ProcessProbe, assess,
+                                        process_state)
 from megatrace.analyze.traceset import RankInfo
 
 S = 1_000_000_000
@@ -68,8 +69,8 @@ def test_a_process_killed_a_moment_ago_and_still_tearing_down_is_gone(tmp_path) 
     assert process_state(me, time.monotonic_ns(), _proc_copy(tmp_path / "exiting", me, flags_or=0x4)) == GONE
     kill = f"{1 << (signal.SIGKILL - 1):016x}"
     assert process_state(me, time.monotonic_ns(), _proc_copy(tmp_path / "killed", me, pending=kill)) == GONE
-    term = f"{1 << (signal.SIGTERM - 1):016x}"
-    assert process_state(me, time.monotonic_ns(), _proc_copy(tmp_path / "termed", me, pending=term)) == RUNNING
+    term = f"{1 << (signal.SIGTERM - 1):016x}"  # asked to end, not yet scheduled to: no survivor of the others
+    assert process_state(me, time.monotonic_ns(), _proc_copy(tmp_path / "termed", me, pending=term)) == ENDING
 
 
 def test_a_rank_whose_heartbeat_stopped_while_the_others_beat_is_frozen() -> None:
@@ -133,6 +134,21 @@ def test_a_process_whose_pulse_goes_on_but_whose_heartbeat_stopped_has_a_wedged_
     infos = [_info(0, beat=100 * S, pulse=100 * S), _info(1, beat=100 * S - FROZEN_NS - S, pulse=100 * S)]
     live = assess(infos, [0, 0], {"h": 0}, {0: 99 * S, 1: 90 * S}, None)
     assert set(live.frozen) == {1} and "wedged" in live.frozen[1]
+
+
+def test_a_rank_whose_sigterm_is_still_pending_ended_with_the_others() -> None:
+    """A job killed as a whole on a loaded host: three ranks handled the SIGTERM (marked, gone), the fourth is not
+    scheduled yet (SIGTERM pending, no mark, its process still there). It did not outlive them: nobody crashed
+    (before, the first three were named crashed, "while rank 3 outlived it": a CI failure of
+    test_a_job_killed_as_a_whole_is_no_hang[sigterm])."""
+    infos = [_info(r, pulse=100 * S - r * 10 * MS, signal_ns=100 * S + r * MS) for r in range(3)]
+    infos.append(_info(3, pulse=100 * S - 5 * MS))
+    probe = ProcessProbe("h", 200 * S, {0: GONE, 1: GONE, 2: GONE, 3: ENDING})
+    live = assess(infos, [0] * 4, {"h": 0}, {r: 98 * S for r in range(4)}, probe)
+    assert live.ended_together and not live.culprits(), live
+    died = assess(infos, [0] * 4, {"h": 0}, {r: 98 * S for r in range(4)},
+                  ProcessProbe("h", 200 * S, {0: GONE, 1: GONE, 2: GONE, 3: RUNNING}))
+    assert set(died.crashed), "(the twin: a rank that truly outlives the others still makes them crashes)"
 
 
 def test_processes_all_gone_at_once_with_no_ring_closed_ended_together() -> None:

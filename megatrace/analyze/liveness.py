@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from megatrace.analyze.traceset import RankInfo
 
 RUNNING, STOPPED, GONE = "running", "stopped", "gone"
+ENDING = "ending"  # a SIGTERM waits to be delivered: asked to end from outside, a moment before its signal mark
 START_SLACK_NS = 5_000_000_000  # a writer's process started at most this long after its ring was created
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting (killed, tearing down its memory)
 
@@ -39,7 +40,7 @@ class ProcessProbe:
 
     host: str
     mono_ns: int
-    states: dict[int, str] = field(default_factory=dict)  # rank -> RUNNING / STOPPED / GONE
+    states: dict[int, str] = field(default_factory=dict)  # rank -> RUNNING / STOPPED / ENDING / GONE
 
 
 def local_names() -> set[str]:
@@ -58,7 +59,7 @@ def _clock_ticks() -> int:
 
 
 def process_state(pid: int, ring_created_mono_ns: int, proc: str = "/proc") -> str:
-    """RUNNING, STOPPED or GONE for the writer ``pid`` of a ring created at ``ring_created_mono_ns``."""
+    """RUNNING, STOPPED, ENDING or GONE for the writer ``pid`` of a ring created at ``ring_created_mono_ns``."""
     try:
         with open(f"{proc}/{pid}/stat", "rb") as f:
             stat = f.read(4096).decode("ascii", "replace")
@@ -72,26 +73,31 @@ def process_state(pid: int, ring_created_mono_ns: int, proc: str = "/proc") -> s
         return GONE  # this pid now belongs to a process younger than the ring
     if state in ("Z", "X", "x"):
         return GONE
-    if (int(fields[6]) if fields[6].isdigit() else 0) & PF_EXITING or _kill_pending(pid, proc):
+    pending = _pending(pid, proc)
+    if (int(fields[6]) if fields[6].isdigit() else 0) & PF_EXITING or pending & (1 << (signal.SIGKILL - 1)):
         return GONE  # killed a moment ago and still tearing down: it runs no more of its program
-    return STOPPED if state in ("T", "t") else RUNNING
+    if state in ("T", "t"):
+        return STOPPED
+    # A SIGTERM not yet delivered (a loaded host schedules it late): a launcher or the scheduler is ending it. It
+    # is no rank that outlived the others, whatever its program then does with the signal.
+    return ENDING if pending & (1 << (signal.SIGTERM - 1)) else RUNNING
 
 
-def _kill_pending(pid: int, proc: str) -> bool:
-    """Whether SIGKILL waits to be delivered to ``pid`` (``SigPnd``/``ShdPnd`` of its status)."""
+def _pending(pid: int, proc: str) -> int:
+    """The signals waiting to be delivered to ``pid`` (``SigPnd`` | ``ShdPnd`` of its status, a bit mask)."""
     try:
         with open(f"{proc}/{pid}/status", "rb") as f:
             status = f.read(8192).decode("ascii", "replace")
     except OSError:
-        return False
+        return 0
+    mask = 0
     for line in status.splitlines():
         if line.startswith(("SigPnd:", "ShdPnd:")):
             try:
-                if int(line.split(":", 1)[1].strip(), 16) & (1 << (signal.SIGKILL - 1)):
-                    return True
+                mask |= int(line.split(":", 1)[1].strip(), 16)
             except ValueError:
                 continue
-    return False
+    return mask
 
 
 def probe(infos: list[RankInfo]) -> ProcessProbe | None:
@@ -179,6 +185,9 @@ def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dic
     out.observed_ns = max(candidates) if candidates else None
     if out.observed_ns is None:
         return out
+    for rank, state in states.items():  # asked to end (SIGTERM pending): marked by the probe's time at the latest
+        if state == ENDING and rank not in signals and probe_ns is not None:
+            signals[rank] = probe_ns
     now = out.observed_ns
     newest = max(list(beats.values()) + list(pulses.values()), default=None)  # the liveliest rank's last sign
     by_rank = {i.rank: i for i in infos}
@@ -192,7 +201,7 @@ def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dic
         if state == STOPPED:
             out.frozen[rank] = f"its process (pid {info.pid}) is stopped (state T: SIGSTOP or a debugger)" + (
                 f"; its last heartbeat was {_duration(now - beat)} before the trace was read" if beat else "")
-        elif state == GONE:
+        elif state in (GONE, ENDING):
             gone.append(rank)
         elif beat_stale and (state == RUNNING or pulse_live):
             out.frozen[rank] = (f"its tracer's heartbeat stopped {_duration(now - beat)} before the trace was read "
