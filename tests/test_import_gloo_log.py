@@ -47,3 +47,19 @@ def test_a_rank_that_raised_its_own_error_is_the_crash(tmp_path: Path) -> None:
     top = analyze(log).findings[0]
     assert top.kind == Kind.CRASHED_PROCESS and top.subject.rank == 3, top.verdict
     assert any("bad batch" in str(e) for e in top.evidence), top.evidence
+
+
+def test_a_crash_while_the_others_compute_is_named_from_the_crash_alone(tmp_path: Path) -> None:
+    """No failed collective and no watchdog line: the others were in a step of their own when rank 3 raised, and
+    torchrun ended them. The log says only how each rank ended, and that is the verdict."""
+    log = _job(tmp_path, lambda pids: None, crash_rank="3", env={"OTHERS_COMPUTE": "1"})
+    text = log.read_text()
+    assert "bad batch" in text and "Connection" not in text and "Timed out" not in text, text[-3000:]
+    result = analyze(log)
+    top = result.findings[0]
+    assert top.kind == Kind.CRASHED_PROCESS and top.subject.rank == 3, top.verdict
+    assert top.severity == Severity.CRITICAL and any("bad batch" in str(e) for e in top.evidence), top.evidence
+    assert not [f for f in result.findings if f.kind in (Kind.HEALTHY, Kind.NO_TRACE)], \
+        [f.verdict for f in result.findings]
+    assert [p.code for p in result.trace.problems if p.code == "crash-only"] == ["crash-only"]
+

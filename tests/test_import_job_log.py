@@ -145,10 +145,14 @@ def test_every_rank_at_minus_one_is_a_stop_outside_communication(tmp_path: Path)
     assert "no collective was in flight" in " ".join(map(str, top.evidence))
 
 
-def test_a_log_without_watchdog_lines_is_refused_by_name(tmp_path: Path) -> None:
-    path = write(tmp_path, ["[rank0]: Traceback (most recent call last):", "[rank0]: ValueError: bad config"])
+def test_a_log_without_watchdog_lines_is_refused_by_name_unless_a_rank_crashed(tmp_path: Path) -> None:
+    path = write(tmp_path, ["epoch 1 loss 2.31", "[rank0]: saving checkpoint"])
     with pytest.raises(TraceLoadError, match=r"slurm-4242\.out: no NCCL watchdog position in it"):
         analyze(path)
+    crashed = write(tmp_path, ["[rank0]: Traceback (most recent call last):", "[rank0]: ValueError: bad config"])
+    top = analyze(crashed).findings[0]  # (how the job ended is all it says, and that is the verdict)
+    assert top.kind == Kind.CRASHED_PROCESS and top.subject.rank == 0, top.verdict
+    assert "ValueError: bad config" in " ".join(map(str, top.evidence)), top.evidence
     garbage = tmp_path / "garbage.out"
     garbage.write_bytes(bytes(range(256)) * 4096 + b"\xff" * 200_000)  # binary, one enormous line
     proc = subprocess.run([sys.executable, "-m", "megatrace.cli", "analyze", str(garbage)], capture_output=True,

@@ -24,6 +24,8 @@ for i in range(100000):
         open(os.path.join(sys.argv[1], f"rank-{rank}"), "w").write(str(os.getpid()))
     if i == 60 and str(rank) == os.environ.get("CRASH_RANK"):
         raise ValueError("bad batch")  # the rank's own error
+    if i == 60 and os.environ.get("OTHERS_COMPUTE"):
+        time.sleep(30)  # the others in a long step of their own when it crashes: no collective of theirs fails
     time.sleep(0.01)
 """
 

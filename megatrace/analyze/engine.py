@@ -76,7 +76,8 @@ def _hang_stage(ctx: AnalysisContext) -> list[Finding]:
     found = explain.hang_findings(ctx.trace, ctx.match, hang)
     if hang.stall is not None:
         found.append(explain.stall_finding(ctx.trace, hang))
-    elif not hang.roots:
+    elif not hang.roots and not any(f.kind == Kind.CRASHED_PROCESS and f.severity == Severity.CRITICAL
+                                    for f in found):  # ("no hang" beside the crash that ended the job: a contradiction)
         found.append(explain.healthy_finding(ctx.trace, ctx.match, hang))
     return found
 

@@ -297,10 +297,12 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
     for rank, proc in sorted(trace.facts.procs.items()):
         if proc.crashed and rank not in explained and hang.status.get(rank) != RankStatus.BLOCKED:
             out.append(Finding(
-                id=f"crashed-process:rank-{rank}", severity=Severity.CRITICAL if not hang.finished else Severity.ERROR,
+                id=f"crashed-process:rank-{rank}",  # (a trace of no calls, a job log's crash alone: the job's end)
+                severity=Severity.CRITICAL if not hang.finished or not len(trace.records) else Severity.ERROR,
                 kind=Kind.CRASHED_PROCESS, subject=rank_subject(trace, rank),
                 verdict=f"{rank_label(trace, rank)} {proc.describe()}",
-                evidence=[f"procs.json: pid {proc.pid}, exit code {proc.exit_code}, signal {proc.signal}"],
+                evidence=[trace.facts.notes.get(rank)
+                          or f"procs.json: pid {proc.pid}, exit code {proc.exit_code}, signal {proc.signal}"],
                 remediation=REMEDIATION[Kind.CRASHED_PROCESS], confidence=0.95, impact=1))
     return out
 

@@ -91,7 +91,10 @@ def load_job_log(path: Path, layout: Layout | None = None, more: Sequence[Path] 
                                     f"without the watchdog's dump) are placed in one call of the default group, "
                                     f"shown as #0: its number is not in the log", ranks=tuple(sorted(said))))
     if not said:
-        raise ImportFormatError(_nothing_said(files, logs))
+        crash = _crash_only(path, logs, ranks, layout, problems)
+        if crash is None:
+            raise ImportFormatError(_nothing_said(files, logs))
+        return crash
     world = _world(logs, ranks, layout)
     imported = [_records(rl, p, world) for r, (rl, p) in sorted(ranks.items()) if rl.groups]
     _share_ops(imported)
@@ -104,6 +107,34 @@ def load_job_log(path: Path, layout: Layout | None = None, more: Sequence[Path] 
                            extra_groups=extra, names=names,
                            inferred="a job log gives each rank's position in each group (last enqueued and last "
                                     "completed collective), not times", completions="order")
+    trace.path = path
+    _facts(trace, logs, ranks)
+    return trace
+
+
+def _crash_only(path: Path, logs: list[JobLog], ranks: dict[int, tuple[RankLog, Path]], layout: Layout | None,
+                problems: list[LoadProblem]) -> TraceSet | None:
+    """No watchdog position and no failed collective, but a rank that ended on its own (its exception, or a
+    non-zero exit in srun's or torchrun's words) and the others ended by the launcher after it: a trace without
+    records whose process facts name the crash. Where the others stood (in a collective or not) is not in the
+    log, and the finding claims nothing of it. None when no rank crashed."""
+    said = LogFacts()
+    _facts(said, logs, ranks)
+    crashed = sorted(r for r, p in said.facts.procs.items() if p.crashed)
+    if not crashed:
+        return None
+    known = sorted(set(ranks) | set(said.facts.procs))
+    world = max(known[-1] + 1, layout.world_size if layout is not None else 0)
+    if world > MAX_RANKS:
+        raise ImportFormatError(f"{logs[0].path}: rank {world - 1}: expected a rank below {MAX_RANKS}")
+    imported = [ImportedRank(r, str(ranks[r][1] if r in ranks else logs[0].path), new_columns(0),
+                             host=ranks[r][0].host if r in ranks else "") for r in known]
+    problems.append(LoadProblem("info", "crash-only", f"no NCCL watchdog position and no failed collective in the "
+                                f"log: it says how ranks ended (ranks {rank_list(crashed)} on their own), not where "
+                                f"the others stood", ranks=tuple(crashed)))
+    trace = build_traceset(path if path.is_dir() else path.parent, NAME, imported, world, problems, layout,
+                           inferred="a job log without watchdog lines gives how ranks ended, no calls",
+                           completions="order")
     trace.path = path
     _facts(trace, logs, ranks)
     return trace
