@@ -33,8 +33,8 @@ from pathlib import Path
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind
-from megatrace.analyze.load import load_trace
 from megatrace.demo.launcher import DemoOptions, run_local
+from megatrace.load import load_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_import_inspector import write_inspector  # noqa: E402  (the tests' format writers)

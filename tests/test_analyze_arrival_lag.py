@@ -11,7 +11,7 @@ from megatrace.analyze.arrival_lag import arrival_lag_stragglers
 from megatrace.analyze.clock import align_clocks
 from megatrace.analyze.index import index_records
 from megatrace.analyze.iterations import infer_iterations
-from megatrace.analyze.load import load_trace
+from megatrace.load import load_trace
 
 STEPS, PERIOD = 8, 100.0  # ms
 

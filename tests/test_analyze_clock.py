@@ -9,8 +9,8 @@ import pytest
 from analysis_factory import MS, WALL_BASE, TraceBuilder
 
 from megatrace.analyze.clock import align_clocks
-from megatrace.analyze.load import load_trace
 from megatrace.analyze.match import index_records, match
+from megatrace.load import load_trace
 
 
 def two_hosts(skew_ms: dict[str, float], steps: int = 20) -> TraceBuilder:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from analysis_factory import TraceBuilder
 
-from megatrace.analyze.load import TraceLoadError, load_trace
 from megatrace.config import Layout
+from megatrace.load import TraceLoadError, load_trace
 
 
 def four_ranks() -> tuple[TraceBuilder, list]:
@@ -188,7 +188,7 @@ def test_fifos_a_user_planted_for_meta_and_procs_files_never_block_the_analysis(
         (tmp_path / name).unlink()
         os.mkfifo(tmp_path / name)
         _give(tmp_path / name)
-    code = (f"from megatrace.analyze.load import load_trace\n"
+    code = (f"from megatrace.load import load_trace\n"
             f"for tail in (None, 8):\n"
             f"    t = load_trace({str(tmp_path)!r}, tail=tail)\n"
             f"    print(sorted(p.code for p in t.problems))\n")

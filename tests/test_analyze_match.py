@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrace.analyze.clock import align_clocks
-from megatrace.analyze.load import load_trace
 from megatrace.analyze.match import MatchResult, index_records, instance_details, match
+from megatrace.load import load_trace
 from megatrace.trace.ring_format import Dtype, Op
 
 

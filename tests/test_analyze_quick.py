@@ -19,9 +19,9 @@ from analysis_factory import TraceBuilder
 from megatrace.analyze import engine
 from megatrace.analyze.engine import AnalysisResult, analyze
 from megatrace.analyze.findings import Kind, Severity
-from megatrace.analyze.load import QUICK_TAIL, load_trace
-from megatrace.analyze.traceset import COLUMNS
 from megatrace.config import Layout
+from megatrace.load import QUICK_TAIL, load_trace
+from megatrace.load.traceset import COLUMNS
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_format import Op
 

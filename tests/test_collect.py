@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatrace.collect.run import CollectOptions, collect_local
+from megatrace.pipeline import analyze_bundle
 
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
@@ -172,7 +173,7 @@ def test_local_collection_copies_this_nodes_rings_without_mpi(demo: Path, tmp_pa
     job = tmp_path / "job"
     job.mkdir()
     opts = CollectOptions(job_dir=str(job), job_id="5", ring_dir=str(demo / "rings"), node="solo", trigger="end",
-                          system=False, stacks=False, layout=str(demo / "layout.yaml"))
+                          system=False, stacks=False, layout=str(demo / "layout.yaml"), analyse=analyze_bundle)
     doc = collect_local(opts)
     bundle = job / "megatrace-5"
     assert (bundle / "layout.yaml").read_bytes() == (demo / "layout.yaml").read_bytes()
@@ -201,7 +202,7 @@ def test_local_runs_on_each_node_fill_one_bundle_and_the_last_one_finishes_it(de
     docs = []
     for node in NODES:  # one epilog per node, one after the other
         opts = CollectOptions(job_dir=str(job), job_id="8", ring_dir=str(base / node), node=node, trigger="end",
-                              system=False, stacks=False, expected_nodes=NODES)
+                              system=False, stacks=False, expected_nodes=NODES, analyse=analyze_bundle)
         docs.append(collect_local(opts))
     assert docs[0]["waiting_for"] == ["n2", "n3", "n4"] and "nodes" not in docs[2]
     final = docs[-1]
@@ -210,7 +211,7 @@ def test_local_runs_on_each_node_fill_one_bundle_and_the_last_one_finishes_it(de
     assert json.loads((job / "megatrace-8" / "findings.json").read_text())["findings"][0]["subject"]["rank"] \
         == HUNG_RANK
     again = collect_local(CollectOptions(job_dir=str(job), job_id="8", ring_dir=str(base / "n1"), node="n1",
-                                         system=False, stacks=False, expected_nodes=NODES))
+                                         system=False, stacks=False, expected_nodes=NODES, analyse=analyze_bundle))
     assert "nodes" not in again  # finished once; a late duplicate epilog adds nothing
 
 
@@ -256,8 +257,9 @@ def test_a_local_collection_of_rings_claiming_two_billion_ranks_still_writes_col
     job = tmp_path / "job"
     job.mkdir()
     code = (f"import resource\nfrom megatrace.collect.run import CollectOptions, collect_local\n"
+            f"from megatrace.pipeline import analyze_bundle\n"
             f"collect_local(CollectOptions(job_dir={str(job)!r}, job_id='5', ring_dir={str(rings)!r}, node='solo',"
-            f" trigger='end', system=False, stacks=False))\n"
+            f" trigger='end', system=False, stacks=False, analyse=analyze_bundle))\n"
             f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and int(done.stdout.split()[-1]) < 400_000, done.stderr[-2000:]

@@ -24,9 +24,9 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # real multi-process torch runs
 
 from megatrace.analyze.engine import analyze  # noqa: E402
-from megatrace.analyze.load import load_trace  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
+from megatrace.load import load_trace  # noqa: E402
 from megatrace.report.perfetto import PID_BASE, assign_lanes, dumps, export_trace, trace_events  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
 from test_import_nccl_log import write_nccl_logs  # noqa: E402  (the NCCL-patch log writer)

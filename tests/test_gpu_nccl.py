@@ -219,7 +219,7 @@ def test_a_collective_captured_in_a_cuda_graph_is_not_disturbed(tmp_path):
 
 def test_megatrace_check_passes_a_healthy_gpu_through_the_real_nvml(tmp_path):
     out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, "-c", "from megatrace.check.command import check_main; check_main()",
+    proc = subprocess.run([sys.executable, "-c", "from megatrace.cli import check_main; check_main()",
                            "--only", "gpu", "--expect-gpus", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=_with_root(os.environ))
     (tmp_path / "check.txt").write_text(proc.stdout + proc.stderr)

@@ -25,11 +25,11 @@ from click.testing import CliRunner
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # one real multi-process torch run per module
 
-from megatrace.analyze.importers import flight_recorder  # noqa: E402
-from megatrace.analyze.load import load_trace  # noqa: E402
-from megatrace.analyze.traceset import TraceLoadError, TraceSet  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
+from megatrace.load import load_trace  # noqa: E402
+from megatrace.load.importers import flight_recorder  # noqa: E402
+from megatrace.load.traceset import TraceLoadError, TraceSet  # noqa: E402
 from test_import_inspector import write_inspector  # noqa: E402
 from test_import_nccl_log import write_nccl_logs  # noqa: E402
 
@@ -81,7 +81,7 @@ def safe_loads_in_child(blob: bytes, tmp: Path, timeout: float = 10.0) -> str:
     payload that hangs the reader must not hang the test run)."""
     payload = tmp / "x.pkl"
     payload.write_bytes(blob)
-    code = ("import sys; from megatrace.analyze.importers.safe_pickle import safe_load_file\n"
+    code = ("import sys; from megatrace.load.importers.safe_pickle import safe_load_file\n"
             "try:\n    safe_load_file(sys.argv[1])\nexcept ValueError as exc:\n    print(exc)")
     run = subprocess.run([sys.executable, "-c", code, str(payload)], capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr

@@ -25,14 +25,14 @@ pytestmark = pytest.mark.slow  # real multi-process torch runs
 
 from megatrace.analyze.engine import analyze  # noqa: E402
 from megatrace.analyze.findings import Kind, Severity  # noqa: E402
-from megatrace.analyze.importers import detect_format  # noqa: E402
-from megatrace.analyze.importers.flight_recorder import find_dumps, read_dump  # noqa: E402
-from megatrace.analyze.importers.safe_pickle import UnsafePickleError, safe_loads  # noqa: E402
-from megatrace.analyze.load import load_trace  # noqa: E402
 from megatrace.analyze.stragglers import RankStats, _explain_neighbours  # noqa: E402
-from megatrace.analyze.traceset import TraceLoadError  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
+from megatrace.load import load_trace  # noqa: E402
+from megatrace.load.importers import detect_format  # noqa: E402
+from megatrace.load.importers.flight_recorder import find_dumps, read_dump  # noqa: E402
+from megatrace.load.importers.safe_pickle import UnsafePickleError, safe_loads  # noqa: E402
+from megatrace.load.traceset import TraceLoadError  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
 from test_import_nccl_log import write_nccl_logs  # noqa: E402  (the NCCL-patch log writer)
 
@@ -281,7 +281,7 @@ def test_export_writes_a_perfetto_trace_of_imported_dumps(mismatch_run: Path, tm
 
 
 def test_the_cli_offers_every_importer() -> None:
-    from megatrace.analyze.importers import FORMATS
+    from megatrace.load.importers import FORMATS
     from megatrace.cli import TRACE_FORMATS
 
     assert TRACE_FORMATS == FORMATS

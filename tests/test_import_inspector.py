@@ -20,12 +20,12 @@ from click.testing import CliRunner  # noqa: E402
 
 from megatrace.analyze.engine import analyze  # noqa: E402
 from megatrace.analyze.findings import Kind  # noqa: E402
-from megatrace.analyze.importers import detect_format  # noqa: E402
-from megatrace.analyze.load import load_trace  # noqa: E402
 from megatrace.analyze.stragglers import RankStats, _explain_neighbours  # noqa: E402
-from megatrace.analyze.traceset import TraceLoadError, TraceSet  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
+from megatrace.load import load_trace  # noqa: E402
+from megatrace.load.importers import detect_format  # noqa: E402
+from megatrace.load.traceset import TraceLoadError, TraceSet  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
 
 COLL = {Op.ALL_REDUCE: "AllReduce", Op.ALL_GATHER: "AllGather", Op.REDUCE_SCATTER: "ReduceScatter",

@@ -28,8 +28,8 @@ import pytest
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
-from megatrace.analyze.importers.job_log_lines import read_job_log
-from megatrace.analyze.traceset import TraceLoadError
+from megatrace.load.importers.job_log_lines import read_job_log
+from megatrace.load.traceset import TraceLoadError
 
 PREFIX_25 = "[PG ID 0 PG GUID 0(default_pg) Rank {r}]"
 PREFIX_23 = "[PG 0 Rank {r}]"

@@ -24,11 +24,11 @@ from click.testing import CliRunner  # noqa: E402
 
 from megatrace.analyze.engine import analyze  # noqa: E402
 from megatrace.analyze.findings import Kind  # noqa: E402
-from megatrace.analyze.importers import detect_format  # noqa: E402
-from megatrace.analyze.importers.kineto import OPS, _key, load_kineto, read_document  # noqa: E402
-from megatrace.analyze.load import load_trace  # noqa: E402
-from megatrace.analyze.traceset import TraceLoadError  # noqa: E402
 from megatrace.cli import main  # noqa: E402
+from megatrace.load import load_trace  # noqa: E402
+from megatrace.load.importers import detect_format  # noqa: E402
+from megatrace.load.importers.kineto import OPS, _key, load_kineto, read_document  # noqa: E402
+from megatrace.load.traceset import TraceLoadError  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
 from outside import Throttle  # noqa: E402
 

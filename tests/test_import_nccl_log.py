@@ -22,10 +22,10 @@ pytestmark = pytest.mark.slow  # real multi-process torch runs
 
 from megatrace.analyze.engine import analyze  # noqa: E402
 from megatrace.analyze.findings import Kind, Severity  # noqa: E402
-from megatrace.analyze.load import load_trace  # noqa: E402
-from megatrace.analyze.traceset import TraceLoadError, TraceSet  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
+from megatrace.load import load_trace  # noqa: E402
+from megatrace.load.traceset import TraceLoadError, TraceSet  # noqa: E402
 from megatrace.trace.ring_format import Flag, Op, State  # noqa: E402
 
 FUNCS = {Op.ALL_REDUCE: "AllReduce", Op.ALL_GATHER: "AllGather", Op.REDUCE_SCATTER: "ReduceScatter",

@@ -22,8 +22,8 @@ import pytest
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
-from megatrace.analyze.importers import detect_format
-from megatrace.analyze.traceset import TraceLoadError
+from megatrace.load.importers import detect_format
+from megatrace.load.traceset import TraceLoadError
 
 HASH = "27a079b828ff1a75"
 PID0 = 3487000
@@ -144,7 +144,7 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, content: bytes) -> None:
 
 
 def test_huge_and_foreign_lines_are_refused_by_name(tmp_path: Path) -> None:
-    from megatrace.analyze.importers import nccl_ras_lines
+    from megatrace.load.importers import nccl_ras_lines
 
     path = text_report(tmp_path, behind=1)
     with open(path, "ab") as fh:

@@ -24,8 +24,8 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatrace.analyze.importers.safe_pickle import safe_loads
 from megatrace.cli import main
+from megatrace.load.importers.safe_pickle import safe_loads
 
 REALDATA = Path(__file__).resolve().parents[1].parent / "shared" / "realdata"
 pytestmark = [pytest.mark.skipif(not REALDATA.is_dir(), reason="../shared/realdata is absent (a clone without it)"),
@@ -162,7 +162,7 @@ def inspector_lines(log_slice: Path, tmp_path_factory: pytest.TempPathFactory) -
     sys.path.insert(0, str(Path(__file__).parent))
     from test_import_inspector import write_inspector
 
-    from megatrace.analyze.load import load_trace
+    from megatrace.load import load_trace
 
     out = tmp_path_factory.mktemp("inspector") / "lines"
     write_inspector(load_trace(log_slice), out, name=lambda rank, info: f"host-pid{rank}-rank{rank}.log")

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
-from megatrace.analyze.importers.safe_pickle import safe_loads
 from megatrace.cli import main
+from megatrace.load.importers.safe_pickle import safe_loads
 
 REALDATA = Path(__file__).resolve().parents[1].parent / "shared" / "realdata"
 needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason="../shared/realdata is absent (a clone without it)")
@@ -185,7 +185,7 @@ def test_the_slowed_rank_is_named_first_with_its_step_and_lag(case: str, logs: d
 def newer_format(src: Path, dest: Path, dump_every: int = 1000, ring: int = 2000) -> Path:
     """The older-format logs re-emitted as the newer patch writes them (save_count dumps of a ring, opCount per
     communicator, no groupHash): the same calls, more collective streams than the layout has kinds of group."""
-    from megatrace.analyze.importers.nccl_log_lines import parse_log
+    from megatrace.load.importers.nccl_log_lines import parse_log
 
     dest.mkdir()
     for path in sorted(src.glob("rank_*.log")):

@@ -27,8 +27,8 @@ from analysis_factory import TraceBuilder
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject, order_findings
-from megatrace.analyze.importers.safe_pickle import safe_loads
-from megatrace.analyze.load import load_trace
+from megatrace.load import load_trace
+from megatrace.load.importers.safe_pickle import safe_loads
 from megatrace.trace.ring_format import Flag, Op, State
 
 HANG_KINDS = (Kind.COMPUTE_HANG, Kind.COMM_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.DEADLOCK,
@@ -56,7 +56,7 @@ def test_finding_the_oldest_queued_call_stays_fast_on_16k_ranks() -> None:
     from types import SimpleNamespace
 
     from megatrace.analyze import hang
-    from megatrace.analyze.traceset import COLUMNS, Records
+    from megatrace.load.traceset import COLUMNS, Records
 
     ranks, per_rank = 16384, 400
     n = ranks * per_rank
@@ -264,7 +264,7 @@ def test_a_save_count_far_ahead_is_a_short_note_not_a_huge_range() -> None:
     """A damaged save_count (0, then 10**15) must not make the gap note enumerate 10**15 numbers."""
     import time
 
-    from megatrace.analyze.importers.nccl_log import _note_dump_gaps
+    from megatrace.load.importers.nccl_log import _note_dump_gaps
 
     problems: list = []
     t = time.monotonic()

@@ -15,11 +15,11 @@ import pytest
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
-from megatrace.analyze.load import load_trace
 from megatrace.config import Layout, load_layout
 from megatrace.jobconfig import load_job_yaml
 from megatrace.jobconfig.build import group_uses
 from megatrace.jobconfig.groups import infer_from_groups
+from megatrace.load import load_trace
 
 pytest.importorskip("torch")
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from megatrace.analyze.liveness import (ENDING, FROZEN_NS, GONE, RUNNING, STOPPED, ProcessProbe, assess,
-                                        process_state)
-from megatrace.analyze.traceset import RankInfo
+from megatrace.analyze.liveness import FROZEN_NS, assess
+from megatrace.load.probe import ENDING, GONE, RUNNING, STOPPED, process_state
+from megatrace.load.traceset import ProcessProbe, RankInfo
 
 S = 1_000_000_000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatrace.analyze.load import load_trace
+from megatrace.load import load_trace
 from megatrace.trace.ring_format import Op
 
 MS = 1_000_000

@@ -168,12 +168,23 @@ def test_a_job_killed_as_a_whole_is_no_hang(sig: int, tmp_path: Path, jobs: list
     job.kill_all(sig)
     job.wait()
     result = analyze(job.rings)
-    (healthy,) = [f for f in result.findings if f.kind == Kind.HEALTHY]
-    assert "ended as a whole" in healthy.verdict, healthy.verdict
+    healthy = [f for f in result.findings if f.kind == Kind.HEALTHY]
+    assert len(healthy) == 1 and "ended as a whole" in healthy[0].verdict, _diagnosis(result)
     # Nothing stopped (a job sharing 2 cores among 4 ranks may still show a rank slower than the others:
     # that is performance, which this test does not judge).
     alarms = [f.verdict for f in result.at_least(Severity.WARNING) if f.kind not in PERFORMANCE]
     assert not alarms, alarms
+
+
+def _diagnosis(result) -> str:
+    """What the analysis saw, for a failure's message: its findings, each rank's end and the liveness judgement."""
+    lines = [f"{f.severity.name} {f.kind.value}: {f.verdict} | {f.evidence[:3]}" for f in result.findings[:6]]
+    for i in result.trace.rank_info:
+        lines.append(f"rank {i.rank}: pid {i.pid} closed {i.closed_cleanly} signal_ns {i.signal_ns} "
+                     f"pulse_ns {i.pulse_ns} heartbeat_ns {i.heartbeat_ns} records {i.n_records}")
+    hang = result.results.get("hang")
+    lines.append(f"probe {result.trace.facts.probe}; liveness {getattr(hang, 'liveness', None)}")
+    return "\n".join(lines)
 
 
 def test_a_live_job_silent_everywhere_is_a_stall_not_healthy(tmp_path: Path, jobs: list[Job]) -> None:

@@ -20,8 +20,8 @@ import pytest
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
-from megatrace.analyze.traceset import TraceLoadError
 from megatrace.collect.agent import STALLED, SUSPECT, node_state, pid_alive, scan
+from megatrace.load.traceset import TraceLoadError
 from megatrace.trace.init_marker import parse_marker
 
 pytest.importorskip("torch")

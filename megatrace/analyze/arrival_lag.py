@@ -22,8 +22,8 @@ import numpy as np
 from megatrace.analyze.findings import Finding, Kind, Severity
 from megatrace.analyze.index import RecordIndex
 from megatrace.analyze.iterations import Iterations
-from megatrace.analyze.traceset import TraceSet
 from megatrace.analyze.words import duration, rank_label, rank_subject
+from megatrace.load.traceset import TraceSet
 from megatrace.trace.ring_format import Op
 
 KINDS = ("tp", "dp")  # the peers a straggler keeps waiting (a waiting rank is last in one of them at most)

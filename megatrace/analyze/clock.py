@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatrace.analyze.index import RecordIndex, chunks, rank_positions
-from megatrace.analyze.traceset import TraceSet
+from megatrace.load.traceset import TraceSet
 from megatrace.trace.ring_format import Flag, State
 
 MAX_SAMPLES = 400_000  # completion records used for refinement; instances are sampled whole beyond this

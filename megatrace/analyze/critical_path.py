@@ -25,8 +25,9 @@ import numpy as np
 from megatrace.analyze.depgraph import GraphError, IterationGraph, NodeKind, build_graphs, validate
 from megatrace.analyze.findings import Finding, Severity, Subject
 from megatrace.analyze.iterations import Iterations, iterations_of, perf_kind
-from megatrace.analyze.traceset import TraceSet
+from megatrace.analyze.peers import peer_groups
 from megatrace.analyze.words import duration, rank_label, rank_subject
+from megatrace.load.traceset import TraceSet
 
 WARMUP_STEPS = 1  # the first step (allocator, connection setup, autograd warm-up) never counts as healthy
 BASELINE_MAX_STEPS = 5  # at most this many early steps make the expected step time (their median)
@@ -218,7 +219,6 @@ def _culprit(trace: TraceSet, it: Iterations, paths: list[IterationPath], onset:
     A rank's growth is its compute per step against its peers' growth (a machine-wide slowdown grows everyone's
     and cancels out); a link's is its exchange time on the critical path against the other links'.
     """
-    from megatrace.analyze.stragglers import peer_groups
 
     before, after = np.isin(it.steps, baseline), it.steps >= onset
     rank_growth = np.zeros(len(trace.ranks))

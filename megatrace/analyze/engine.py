@@ -9,8 +9,8 @@ sees every finding so far).
 
 Modes: ``mode="full"`` (the default) loads every record and runs every stage.
 ``mode="hang"`` (``megatrace analyze --quick``) loads only each rank's newest
-:data:`~megatrace.analyze.load.QUICK_TAIL` records (deeper for the few ranks
-whose tail is too short, see :func:`~megatrace.analyze.load.widen_tails`) and
+:data:`~megatrace.load.QUICK_TAIL` records (deeper for the few ranks
+whose tail is too short, see :func:`~megatrace.analyze.tails.widen_tails`) and
 runs only the stages named in :data:`HANG_MODE_STAGES`: hang localisation in
 seconds at 16,384 ranks, without the analyzers that need whole iterations.
 """
@@ -28,10 +28,12 @@ from megatrace.analyze.clock import ClockAlignment, align_clocks
 from megatrace.analyze.findings import Finding, Kind, Severity, findings_document, order_findings, write_findings_json
 from megatrace.analyze.hang import TAIL, HangAnalysis, analyze_hangs
 from megatrace.analyze.index import index_records
-from megatrace.analyze.load import QUICK_TAIL, fit_layout, load_trace, widen_tails
 from megatrace.analyze.match import MatchResult, match
-from megatrace.analyze.traceset import LoadProblem, TraceSet
+from megatrace.analyze.tails import widen_tails
 from megatrace.config import Layout, LayoutError
+from megatrace.load import QUICK_TAIL, load_trace
+from megatrace.load.side_files import fit_layout
+from megatrace.load.traceset import LoadProblem, TraceSet
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ def _one_job_log(path: Path, format: str) -> bool:  # noqa: A002 - load_trace's 
     """Whether ``path`` is read as a job output log (one file, not an NCCL RAS report)."""
     if format not in ("auto", "job-log") or not path.is_file():
         return False
-    from megatrace.analyze.importers.detect import looks_like_nccl_ras
+    from megatrace.load.importers.sniff import looks_like_nccl_ras
 
     return format == "job-log" or not looks_like_nccl_ras(path)
 
@@ -235,7 +237,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     only those in :data:`HANG_MODE_STAGES` run; ``results["skipped_stages"]`` names the others).
     ``out_dir``: where ``job.yaml`` goes (default :func:`output_dir`: never inside an imported format's files).
     ``job_logs``: the job's output files, read for the ranks that have no ring (:func:`merge_job_logs`).
-    Raises :class:`megatrace.analyze.load.TraceLoadError` when the directory is not a trace and
+    Raises :class:`megatrace.load.TraceLoadError` when the directory is not a trace and
     :class:`megatrace.config.LayoutError` when a given layout file is unreadable.
     """
     from megatrace.config import load_layout
@@ -249,13 +251,13 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     given = load_layout(layout) if isinstance(layout, (str, Path)) else layout if isinstance(layout, Layout) else None
     logs = [Path(p) for p in job_logs]
     if logs and _one_job_log(Path(trace_dir), format):  # the job's output in several files (StdOut, StdErr)
-        from megatrace.analyze.importers.job_log import load_job_log
+        from megatrace.load.importers.job_log import load_job_log
 
         trace = load_job_log(Path(trace_dir), given, more=logs)
     else:
         trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None, format=format)
         if logs:
-            from megatrace.analyze.importers.job_log import merge_job_logs
+            from megatrace.load.importers.job_log import merge_job_logs
 
             merge_job_logs(trace, logs)
     if spec is not None:

@@ -13,8 +13,8 @@ from megatrace.analyze.findings import Finding, Kind, Severity, Subject
 from megatrace.analyze.hang import (RUNNING_OUTCOMES, STALL_MIN_NS, STALLED_OUTCOMES, HangAnalysis, RankStatus,
                                     RootCause, Wait)
 from megatrace.analyze.match import MatchResult
-from megatrace.analyze.traceset import TraceSet, plural
 from megatrace.analyze.words import collective_label, duration, rank_label, rank_list, rank_subject, record_label
+from megatrace.load.traceset import TraceSet, plural
 from megatrace.trace.ring_format import Op, Phase
 
 CLOCK_NOTE_NS = 1_000_000  # host clock corrections above 1 ms are reported (info)

@@ -41,8 +41,8 @@ import numpy as np
 from megatrace.analyze.clock import ClockAlignment
 from megatrace.analyze.liveness import Liveness, assess
 from megatrace.analyze.match import InstanceDetail, MatchResult, instance_details
-from megatrace.analyze.traceset import TraceSet
 from megatrace.analyze.words import record_label
+from megatrace.load.traceset import TraceSet
 from megatrace.trace.ring_format import Flag, Op, State
 
 STALL_FACTOR = 4.0  # a stop is a hang once it lasts this many times the usual gap between calls (p95) ...

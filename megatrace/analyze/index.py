@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatrace.analyze.traceset import TraceSet
+from megatrace.load.traceset import TraceSet
 from megatrace.trace.ring_format import Op
 
 SEND, RECV = int(Op.SEND), int(Op.RECV)

@@ -25,8 +25,8 @@ from megatrace.analyze.findings import Kind
 from megatrace.analyze.index import CHUNK, RecordIndex
 from megatrace.analyze.segments import (ACT_IN, ACT_OUT, DP, GRAD_IN, GRAD_OUT, MARKER, OTHER, P2P_ROLES, PP_OTHER,
                                         TP, RankSegments, Segmenter)
-from megatrace.analyze.traceset import TraceSet
 from megatrace.config import Layout
+from megatrace.load.traceset import TraceSet
 from megatrace.schedule import SCHEDULES
 from megatrace.trace.ring_format import Op
 

@@ -21,8 +21,8 @@ from megatrace.analyze.findings import Finding, Severity, Subject
 from megatrace.analyze.index import RecordIndex
 from megatrace.analyze.iterations import Iterations, perf_kind
 from megatrace.analyze.match import Collectives
-from megatrace.analyze.traceset import TraceSet
 from megatrace.analyze.words import duration, rank_label, rank_subject
+from megatrace.load.traceset import TraceSet
 from megatrace.trace.ring_format import Op, State
 
 # A slow link's median transfer time exceeds that of the same kind of transfer elsewhere by at least ...

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatrace.analyze.index import RecordIndex, chunks, index_records, op_name
-from megatrace.analyze.traceset import GroupInfo, TraceSet
+from megatrace.load.traceset import GroupInfo, TraceSet
 from megatrace.trace.ring_format import Dtype, Op, State
 
 __all__ = ["Collectives", "InstanceDetail", "MatchResult", "Mismatch", "RecordIndex", "index_records",

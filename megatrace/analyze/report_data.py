@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from megatrace.analyze.index import op_name
-from megatrace.analyze.traceset import TraceSet
+from megatrace.load.traceset import TraceSet
 from megatrace.redact import redact_argv
 from megatrace.trace.environment import filter_env
 from megatrace.trace.ring_format import Op, State

@@ -18,7 +18,7 @@ from typing import Any
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject
 from megatrace.analyze.rules_parse import (PLACEHOLDER_RE, AllOf, AnyOf, Compare, Condition, Not, Rule,
                                            RuleProblem)
-from megatrace.analyze.traceset import rank_list
+from megatrace.load.traceset import rank_list
 
 MAX_MATCH_TEXT = 4096  # characters of a fact value that `matches` looks at
 MAX_RENDER_ITEMS = 12  # list items (or per-rank groups) written into a message before "and N more"

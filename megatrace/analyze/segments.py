@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from megatrace.analyze.traceset import TraceSet
 from megatrace.config import Layout
+from megatrace.load.traceset import TraceSet
 from megatrace.schedule import ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT, SCHEDULES, Action, exchange_blocks
 from megatrace.trace.ring_format import Op
 

@@ -28,18 +28,19 @@ from typing import Any, Callable
 
 import numpy as np
 
+from megatrace.analyze.critical_path import what_if
 from megatrace.analyze.findings import Finding, Kind, Severity
 from megatrace.analyze.index import RecordIndex
 from megatrace.analyze.iterations import Iterations, compute_gaps, iterations_of, perf_kind
 from megatrace.analyze.links import PairStats, analyze_links, delay_matrix, link_finding, slow_rank_finding
 from megatrace.analyze.match import Collectives
+from megatrace.analyze.peers import peer_groups
 from megatrace.analyze.segments import MARKER
-from megatrace.analyze.traceset import TraceSet, rank_list
 from megatrace.analyze.words import duration, rank_label, rank_subject
+from megatrace.load.traceset import TraceSet, rank_list
 from megatrace.trace.ring_format import Op, State
 
 WARMUP_STEPS = 1  # the first step is excluded: allocator, connection setup and autograd warm-up dominate it
-MIN_PEERS_SAME_TP = 3  # compare with ranks of the same stage *and* TP position only when there are this many
 SMALL_GROUP = 16  # up to this many peers the reference leaves the rank itself out (exact); beyond, it is noise
 # A straggler must compute, per step, at least ...
 MIN_EXCESS_NS = 5_000_000  # ... 5 ms more than its peers (healthy demo ranks on 2 loaded cores: up to ~7 ms)
@@ -143,26 +144,6 @@ class StragglerResult:
 
 
 # -- stragglers ------------------------------------------------------------------------------------------------
-
-def peer_groups(trace: TraceSet) -> list[np.ndarray]:
-    """Positions (in ``trace.ranks``) of ranks doing the same work: one stage (and TP position, if enough)."""
-    n = len(trace.ranks)
-    layout = trace.layout
-    if layout is None:
-        return [np.arange(n)]
-    inside = trace.ranks < layout.world_size
-    coords = np.array([layout.coords(int(r)) if ok else (-1, -1, -1) for r, ok in zip(trace.ranks, inside)],
-                      np.int64).reshape(n, 3)
-    out = []
-    for stage in np.unique(coords[inside, 0]).tolist():
-        mine = np.flatnonzero(inside & (coords[:, 0] == stage))
-        by_tp = [mine[coords[mine, 2] == t] for t in np.unique(coords[mine, 2]).tolist()]
-        if all(len(g) >= MIN_PEERS_SAME_TP for g in by_tp):
-            out += by_tp
-        else:
-            out.append(mine)
-    return out
-
 
 def _confidence(s: RankStats, n_peers: int) -> float:
     """Sign-test certainty that the excess is not noise, scaled by how far the effect clears the thresholds.
@@ -594,8 +575,6 @@ def _whole_trace_stragglers(trace: TraceSet, ix: RecordIndex, c: Collectives, it
 
 def _impact(ctx, result: StragglerResult) -> None:
     """Per straggler, the step time it costs: critical paths re-run at its peers' speed (when available)."""
-    from megatrace.analyze.critical_path import what_if
-
     cp = ctx.results.get("critical_path")
     if cp is None or not cp.graphs:
         return

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from megatrace.analyze.engine import AnalysisResult
 from megatrace.analyze.findings import Severity
-from megatrace.analyze.traceset import plural
+from megatrace.load.traceset import plural
 
 MAX_OTHER = 10  # other findings listed by the terminal summary (all are in findings.json)
 MAX_EVIDENCE = 4  # evidence lines shown under the verdict

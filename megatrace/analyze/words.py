@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatrace.analyze.findings import Subject
 from megatrace.analyze.index import op_name
-from megatrace.analyze.traceset import GroupInfo, TraceSet, rank_list
+from megatrace.load.traceset import GroupInfo, TraceSet, rank_list
 from megatrace.trace.ring_format import Op
 
 

@@ -9,6 +9,7 @@ goes to ``megatrace-<job>.1``, ``.2``, ...)::
     nodes/<node>.json     the node's facts: ring headers, /proc states of the ranks, GPUs, kernel log, stacks
     procs.json            per rank: pid, node, process state (read by the analysis); "stalled" on a hang
     findings.json         the analysis (megatrace analyze); summary.txt its text; report.html if available
+                          (megatrace.pipeline runs them once the bundle is written)
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatrace.collect import safefs
 from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot, main_thread_frames
@@ -31,6 +30,9 @@ from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot, main
 FORMAT_VERSION = 1
 TRIGGERS = ("hang", "end", "timelimit", "failure", "manual")
 ANALYSIS_MODES = ("auto", "full", "quick", "none")
+# The analysis of a finished bundle (megatrace.pipeline.analyze_bundle): (writer, "full" or "quick", write the
+# report) -> its entry in collection.json. Passed in: collection never imports analysis or report.
+Analyse = Callable[["BundleWriter", str, bool], dict[str, Any]]
 
 
 def _proc_entry(facts: dict[str, Any], pid: Any, node: str) -> dict[str, Any]:
@@ -247,8 +249,9 @@ class BundleWriter:
         }
 
     def finish(self, trigger: str = "manual", detail: str = "", expected_nodes: list[str] | None = None,
-               analysis: str = "auto", report: bool = True) -> dict[str, Any]:
-        """Write procs.json and collection.json, run the analysis and the report; returns collection.json."""
+               analysis: str = "auto", report: bool = True, analyse: Analyse | None = None) -> dict[str, Any]:
+        """Write procs.json and collection.json, run ``analyse`` (the analysis and the report, see
+        :func:`megatrace.pipeline.analyze_bundle`) unless ``analysis`` is "none"; returns collection.json."""
         procs = {"ranks": self.procs, "collected_by": "megatrace collect"}
         if trigger in ("hang", "failure"):
             procs["outcome"] = "stalled"
@@ -265,7 +268,14 @@ class BundleWriter:
                     p["signal"] = "an unknown signal or crash (process gone, its ring still open)"
         self._write("procs.json", procs)
         doc = self.summary(trigger, detail, expected_nodes)
-        doc["analysis"] = self._analyze(analysis, trigger, report)
+        if analysis == "none" or not self._sha:
+            doc["analysis"] = {"ran": False, "reason": "disabled" if analysis == "none" else
+                               "no ring files were collected"}
+        elif analyse is None:
+            doc["analysis"] = {"ran": False, "reason": "no analysis step was given to the collection"}
+        else:
+            mode = "quick" if analysis == "auto" and trigger == "hang" and len(self._sha) > 2048 else analysis
+            doc["analysis"] = analyse(self, "full" if mode == "auto" else mode, report)
         self._write("collection.json", doc)
         for d in (self.rings, self.nodes, self.out):
             d.give_away()
@@ -275,72 +285,9 @@ class BundleWriter:
     def _write(self, name: str, obj: Any) -> None:
         self.out.write(name, json.dumps(obj, indent=1, default=str).encode() + b"\n", replace=True)
 
-    def _analyze(self, mode: str, trigger: str, report: bool) -> dict[str, Any]:
-        if mode == "none" or not self._sha:
-            return {"ran": False, "reason": "disabled" if mode == "none" else "no ring files were collected"}
-        if mode == "auto":
-            mode = "quick" if trigger == "hang" and len(self._sha) > 2048 else "full"
-        t0 = time.perf_counter()
-        out: dict[str, Any] = {"ran": True, "mode": mode}
-        try:
-            from megatrace.analyze.engine import analyze
-            from megatrace.analyze.summary import render_summary
-
-            # Root reads through its own descriptor: a link put in place of the directory is not followed.
-            where = self.out.fd_path if os.geteuid() == 0 else str(self.path)
-            result = analyze(where, mode="hang" if mode == "quick" else "full")
-            doc = result.document()
-            trace = doc.setdefault("trace", {})
-            trace["path"] = str(self.path)
-            # What the collection could not bring, in the words every reader of findings.json shows.
-            trace.setdefault("problems", []).extend(self._collection_problems())
-            text = json.dumps(doc, indent=2, ensure_ascii=False, default=_plain) + "\n"
-            self.out.write("findings.json", text.encode(), replace=True)
-            summary = render_summary(result, self.path)
-            self.out.write("summary.txt", summary.encode() + b"\n", replace=True)
-            out["findings"] = "findings.json"
-            out["verdict"] = doc.get("verdict")
-            if doc.get("findings"):
-                top = doc["findings"][0]
-                out["verdict_finding"] = {k: top.get(k) for k in ("id", "severity", "kind", "subject")}
-            if report:
-                out["report"] = self._report(text)
-        except Exception as exc:  # analysis must never lose the collection
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        out["seconds"] = round(time.perf_counter() - t0, 3)
-        return out
-
-    def _collection_problems(self) -> list[str]:
+    def collection_problems(self) -> list[str]:
+        """What the collection could not bring, as lines for the analysis's trace problems."""
         out = [f"collection: node {e.node} missing: {e.error}" for e in self.entries if e.error]
         out += [f"collection: MPI rank {m['mpi_rank']} (one node) missing: {m['reason']}" for m in self.missing]
         out += [f"collection: {p}" for p in self.problems]
         return out
-
-    def _report(self, findings_text: str) -> str | None:
-        """report.html via megatrace.report when it exists (rendered in a private directory, then copied)."""
-        try:
-            from megatrace.report.render import write_report
-        except ImportError:
-            return None
-        tmp = tempfile.mkdtemp(prefix="megatrace-report-")
-        try:
-            src = Path(tmp) / "findings.json"
-            src.write_text(findings_text, encoding="utf-8")
-            html, trace = write_report(src)
-            for p in (html, trace):
-                if p is not None:
-                    self.out.write(Path(p).name, Path(p).read_bytes(), replace=True)
-            return Path(html).name
-        except Exception as exc:
-            self.problems.append(f"report not written: {type(exc).__name__}: {exc}")
-            return None
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    if isinstance(value, (set, frozenset, tuple)):
-        return sorted(value) if isinstance(value, (set, frozenset)) else list(value)
-    return str(value)

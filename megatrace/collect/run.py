@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrace.collect import safefs
-from megatrace.collect.bundle import GATHER_MARK, LOCAL_MARK, BundleWriter, bundle_path
+from megatrace.collect.bundle import GATHER_MARK, LOCAL_MARK, Analyse, BundleWriter, bundle_path
 from megatrace.collect.gather import DEFAULT_GROUP_SIZE, DEFAULT_TIMEOUT_S, gather, release
 from megatrace.collect.node import NodeSnapshot, default_ring_dir, node_name, snapshot_node
 from megatrace.collect.payload import PayloadError, pack_node, unpack_node
@@ -49,6 +49,7 @@ class CollectOptions:
     expected_nodes: list[str] | None = None
     layout: str | None = None  # a layout YAML copied into the bundle (root only)
     log: Any = field(default=None, repr=False)
+    analyse: Analyse | None = field(default=None, repr=False)  # the bundle's analysis (megatrace.pipeline)
 
     def resolved_job_id(self) -> str:
         return self.job_id or os.environ.get("MEGATRACE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "local"
@@ -91,7 +92,8 @@ def collect_local(opts: CollectOptions) -> dict[str, Any]:
     if len(expected) <= 1 or (writer.has_facts_of(expected) and writer.claim(".finishing")):
         writer.adopt()
         _add_layout(writer, opts)
-        doc = writer.finish(opts.trigger, opts.detail, expected, opts.analysis, opts.report)
+        doc = writer.finish(opts.trigger, opts.detail, expected, opts.analysis, opts.report,
+                            opts.analyse)
         doc["path"] = str(out)
         return doc
     part = {"node": snap.node, "files": len(writer.files), "problems": writer.problems, "path": str(out),
@@ -172,7 +174,8 @@ def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
     if rank == 0:
         assert writer is not None
         _add_layout(writer, opts)
-        doc = writer.finish(opts.trigger, opts.detail, opts.expected_nodes, opts.analysis, opts.report)
+        doc = writer.finish(opts.trigger, opts.detail, opts.expected_nodes, opts.analysis, opts.report,
+                            opts.analyse)
         doc["path"] = str(writer.path)
         if report is not None:
             report(doc)

@@ -33,7 +33,7 @@ FR_DUMP_PERIOD_S = 1.0
 def start_fr_dumps(directory: Path, rank: int) -> None:
     """Write this rank's Flight Recorder dump to ``directory/fr_rank_<R>`` every second and at exit.
 
-    Test data for :mod:`megatrace.analyze.importers.flight_recorder`, named like torch's own dumps
+    Test data for :mod:`megatrace.load.importers.flight_recorder`, named like torch's own dumps
     (prefix + rank, no suffix) so that ``torchfrtrace`` reads them too. gloo's watchdog does not
     dump, so a daemon thread does; a rank that hangs, in Python or inside a gloo call, leaves a dump
     at most a second old. Without stack traces: with them, ``_dump_fr_trace()`` from a second

@@ -58,7 +58,7 @@ def _job_inputs(meta: Mapping[int, list[dict]], process: Mapping[int, Mapping[st
 
 
 def build_job_config(trace: Any, explicit: tuple[Layout, str, bool] | None = None) -> JobConfig:
-    """The job configuration of a loaded :class:`~megatrace.analyze.traceset.TraceSet`.
+    """The job configuration of a loaded :class:`~megatrace.load.traceset.TraceSet`.
 
     ``explicit``: (layout, where it came from, whether it is a full layout file) for a layout the user
     gave; its sizes take precedence over every other source. Never raises on bad input: what cannot

@@ -5,12 +5,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
 
 from megatrace.lab import LabError
+from megatrace.lab.apt import Log, apt_install, run_quiet
 from megatrace.lab.paths import LabPaths, repo_root
 from megatrace.lab.slurm_install import SlurmInstall
 
@@ -26,15 +25,6 @@ APT_PACKAGES = {**SLURM_PACKAGES, **BASE_PACKAGES}
 # Python distribution -> pip requirement (the `mpi` extra): MPICH wheels work with `srun --mpi=pmi2`.
 PIP_PACKAGES = {"mpi4py": "mpi4py>=3.1", "mpich": "mpich"}
 
-Log = Callable[[str], None]
-
-
-def _run(argv: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
-    """Run a helper; its output is shown only when it fails."""
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise LabError(f"{what} failed (exit {proc.returncode}): {' '.join(argv)}\n{tail}")
 
 
 def missing_apt(packages: dict[str, str] = APT_PACKAGES) -> list[str]:
@@ -44,17 +34,6 @@ def missing_apt(packages: dict[str, str] = APT_PACKAGES) -> list[str]:
 def ensure_apt(log: Log, slurm: SlurmInstall = SlurmInstall()) -> None:
     """The packages the lab needs: Debian's Slurm too unless it runs one under a prefix."""
     apt_install(missing_apt(APT_PACKAGES if slurm.prefix is None else BASE_PACKAGES), log)
-
-
-def apt_install(missing: list[str], log: Log) -> None:
-    if not missing:
-        return
-    if not shutil.which("apt-get"):
-        raise LabError(f"missing {', '.join(missing)} and no apt-get: install them with your package manager")
-    log(f"lab: apt-get install {' '.join(missing)}")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    _run(["apt-get", "update", "-qq"], "apt-get update", env=env)
-    _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], "apt-get install", env=env)
 
 
 def missing_pip() -> list[str]:
@@ -72,7 +51,8 @@ def ensure_pip(log: Log) -> None:
     if not missing:
         return
     log(f"lab: pip install {' '.join(missing)} (into {sys.prefix})")
-    _run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *missing], "pip install")
+    run_quiet([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *missing],
+              "pip install")
 
 
 def install_plugin(paths: LabPaths, log: Log, slurm: SlurmInstall = SlurmInstall()) -> None:
@@ -86,9 +66,9 @@ def install_plugin(paths: LabPaths, log: Log, slurm: SlurmInstall = SlurmInstall
         args += f" nccl_preload={interposer}"
     make = ["make", "-s", "-C", str(src), f"LIBDIR={paths.libexec}", f"PLUGSTACK_DIR={paths.plugstack_dir}",
             f"MEGATRACE_BIN={paths.megatrace_bin}", f"PLUGSTACK_ARGS={args}", f"SLURM_INCLUDE={slurm.include}"]
-    _run(make + ["clean"], "cleaning the SPANK plugin's build")  # (objects of another release's headers)
-    _run(make + ["all"], "building the SPANK plugin")
-    _run(make + ["install"], "installing the SPANK plugin")
+    run_quiet(make + ["clean"], "cleaning the SPANK plugin's build")  # (objects of another release's headers)
+    run_quiet(make + ["all"], "building the SPANK plugin")
+    run_quiet(make + ["install"], "installing the SPANK plugin")
     log(f"lab: plugin {paths.plugin}, {paths.plugstack_dir / 'megatrace.conf'}")
 
 

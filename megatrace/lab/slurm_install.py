@@ -24,9 +24,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from megatrace.lab import LabError
+from megatrace.lab.apt import Log, apt_install
 
 BUILD_ROOT = Path("/opt/megatrace-slurm")
 CONFIGURE = ("--sysconfdir=/etc/slurm", "--disable-debug", "--without-hdf5", "--without-rpath",
@@ -39,8 +39,6 @@ NEEDED = ("sbin/slurmctld", "sbin/slurmd", "bin/sbatch", "bin/srun", "bin/scontr
           "include/slurm/spank.h")
 VERSION_RE = re.compile(r"(\d+\.\d+\.\d+)")  # "slurm 26.05.3", Debian's "slurm-wlm 22.05.8"
 TARBALL_TOP = re.compile(r"slurm-(\d+\.\d+\.\d+)")
-
-Log = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -162,8 +160,6 @@ def _tarball_version(src: Path) -> str:
 
 
 def _ensure_build_packages(log: Log) -> None:
-    from megatrace.lab.install import apt_install
-
     apt_install([pkg for pkg, proof in BUILD_PACKAGES.items() if not os.path.exists(proof)], log)
 
 

@@ -472,7 +472,7 @@ def write_trace(trace: Any, ix: Any, te: np.ndarray, tc: np.ndarray, fh: IO[str]
 
 
 def _format_name(trace: Any) -> str:
-    from megatrace.analyze.importers import FORMATS
+    from megatrace.load.importers import FORMATS
 
     return trace.job_id if trace.job_id in FORMATS and trace.job_id != "auto" else "rings"
 
@@ -485,12 +485,12 @@ def export_trace(trace_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     the export needs). A name ending in ``.gz`` is written gzipped. The file appears whole or not at all
     (:func:`megatrace.files.atomic_output`: written beside ``out`` and renamed over it; a FIFO or device
     of root or this user, e.g. ``/dev/stdout``, is written in place; another user's link or FIFO never). Raises :class:`ExportError` when ``out`` cannot be written (checked before the
-    trace is loaded) and what :func:`~megatrace.analyze.load.load_trace` raises for an unreadable trace.
+    trace is loaded) and what :func:`~megatrace.load.load_trace` raises for an unreadable trace.
     """
     from megatrace.analyze.clock import align_clocks
     from megatrace.analyze.index import index_records
-    from megatrace.analyze.load import load_trace
-    from megatrace.analyze.traceset import TraceLoadError
+    from megatrace.load import load_trace
+    from megatrace.load.traceset import TraceLoadError
 
     t_start = time.perf_counter()
     path = Path(out)

@@ -1,0 +1,446 @@
+"""Ring files into record columns: every record of each chosen ring, or each ring's newest records (tails).
+
+Records of all ranks are concatenated column by column (numpy), rank after rank, each rank's rows in
+``seq`` order: no Python object per record. Tails are read with one vectorised validation pass
+(:func:`ring_reader.read_tails`), batch by batch, meta files read ahead beside them;
+:func:`extend_tails` reads further back for the few ranks whose tail turns out too short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from megatrace.files import open_input, read_fd, read_input
+from megatrace.load.discovery import RING_RE
+from megatrace.load.traceset import COLUMNS, LoadProblem, RankInfo, Records, TraceSet, name_list, plural, rank_list
+from megatrace.trace import ring_format as fmt
+from megatrace.trace.ring_reader import (META_LIMIT, RECORD_DTYPE, ReadProblem, RingFormatError, RingHeader,
+                                         RingSnapshot, open_budget, read_meta, read_ring, read_tails)
+
+@dataclass
+class RankRead:
+    """What one worker read for one rank."""
+
+    info: RankInfo
+    records: np.ndarray  # RECORD_DTYPE, sorted by seq
+    meta: list[dict]
+    meta_found: bool
+    meta_problems: list[str]
+    unknown_gids: list[int]  # group ids used in records but absent from the rank's own meta
+    damage: str
+
+
+def known_gids(entries: list[dict]) -> list[int]:
+    """Group ids a rank's meta file declares."""
+    return [e["gid"] for e in entries if e.get("kind") == "group" and isinstance(e.get("gid"), int)
+            and 0 <= e["gid"] < 1 << 32]
+
+
+def _meta_path(rank: int, path: Path) -> Path:
+    return path.with_name(fmt.meta_name(rank)) if RING_RE.match(path.name) else path.with_suffix(".meta.jsonl")
+
+
+def _meta_path_str(rank: int, path: Path) -> str:
+    """``_meta_path`` without building Path objects (thousands of ranks)."""
+    name = path.name
+    if RING_RE.match(name):
+        return os.path.join(os.path.dirname(str(path)), fmt.meta_name(rank))
+    return os.path.splitext(str(path))[0] + ".meta.jsonl"
+
+
+def damage(snap: RingSnapshot) -> str:
+    if any(p.severity == "error" for p in snap.problems) or snap.lost:
+        return str(snap.problems[0]) if snap.problems else f"{snap.lost} records lost"
+    return ""
+
+
+def _rank_read(rank: int, path: Path, snap: RingSnapshot) -> RankRead:
+    """One rank's snapshot plus its meta file."""
+    h, recs = snap.header, snap.records
+    meta_path = _meta_path(rank, path)
+    entries, meta_problems = read_meta(meta_path)
+    known = np.array(known_gids(entries), dtype=np.uint32)
+    gids = recs["group_id"][recs["op"] < fmt.Op.MARK_STEP]
+    left = gids[~np.isin(gids, known)] if len(known) else gids
+    unknown = np.unique(left).tolist() if len(left) else []
+    info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly, len(recs),
+                    snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns, snap.dropped - snap.overwritten,
+                    heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns, signal_ns=h.signal_ns)
+    return RankRead(info, recs, entries, meta_path.exists(),
+                     [str(p) for p in meta_problems if p.severity == "error"], unknown, damage(snap))
+
+
+def _read_rank(rank: int, path: Path) -> RankRead | str:
+    """Read one ring and its meta file; a string is the reason it is unreadable."""
+    try:
+        snap = read_ring(path)
+    except (RingFormatError, OSError) as exc:
+        return str(exc)
+    return _rank_read(rank, path, snap)
+
+
+@dataclass
+class Tally:
+    """Per-rank reading problems, reported as one problem per kind."""
+
+    unreadable: list[str] = field(default_factory=list)
+    empty: list[int] = field(default_factory=list)
+    no_meta: list[int] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)
+    bad_meta: list[str] = field(default_factory=list)
+    wrapped: list[int] = field(default_factory=list)
+
+    def add(self, got: RankRead) -> None:
+        rank = got.info.rank
+        if got.info.n_records == 0:
+            self.empty.append(rank)
+        if got.damage:
+            self.damaged.append(f"rank {rank}: {got.damage}")
+        if not got.meta_found:
+            self.no_meta.append(rank)
+        if got.info.dropped:
+            self.wrapped.append(rank)
+        self.bad_meta += got.meta_problems
+
+    def report(self, problems: list[LoadProblem]) -> None:
+        if self.unreadable:
+            problems.append(LoadProblem("error", "unreadable-ring", f"{plural(len(self.unreadable), 'ring file')} "
+                                        f"unreadable and skipped: {name_list(self.unreadable, 3)}"))
+        if self.damaged:
+            problems.append(LoadProblem("warning", "ring-damage", f"{plural(len(self.damaged), 'ring')} with "
+                                        f"unreadable records (kept the rest): {name_list(self.damaged, 3)}"))
+        if self.bad_meta:
+            problems.append(LoadProblem("warning", "meta", f"{plural(len(self.bad_meta), 'unreadable line')} in "
+                                        f"meta files (skipped): {name_list(self.bad_meta, 3)}"))
+        if self.wrapped:
+            problems.append(LoadProblem("info", "ring-wrapped", f"the rings of {plural(len(self.wrapped), 'rank')} "
+                                        f"wrapped and lost their oldest records: ranks {rank_list(self.wrapped)}",
+                                        ranks=tuple(self.wrapped)))
+        if self.empty:
+            problems.append(LoadProblem(
+                "warning", "empty-ring",
+                f"{plural(len(self.empty), 'ring')} without records (the process stopped or hung before its first "
+                f"traced call): ranks {rank_list(self.empty)}", ranks=tuple(self.empty)))
+        if self.no_meta:
+            problems.append(LoadProblem("warning", "missing-meta", f"no meta file (group members) for "
+                                        f"{plural(len(self.no_meta), 'rank')}: {rank_list(self.no_meta)}",
+                                        ranks=tuple(self.no_meta)))
+
+
+class RecordColumns:
+    """Preallocated record columns, appended to rank by rank (grown if a live ring outgrew its header)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.data = {name: np.empty(max(capacity, 0), dt) for name, dt in COLUMNS.items()}
+        self.n = 0
+
+    def append(self, rank: int, recs: np.ndarray) -> None:
+        end = self.n + len(recs)
+        if end > len(self.data["rank"]):
+            for name, col in self.data.items():
+                grown = np.empty(max(end, 2 * len(col)), col.dtype)
+                grown[:self.n] = col[:self.n]
+                self.data[name] = grown
+        for name, col in self.data.items():
+            col[self.n:end] = rank if name == "rank" else recs[name]
+        self.n = end
+
+    def finish(self) -> Records:
+        size = len(self.data["rank"])
+        cols = {name: (col[:self.n] if self.n >= 0.9 * size else col[:self.n].copy())
+                for name, col in self.data.items()}
+        self.data = {}
+        return Records(**cols)
+
+
+
+
+Loaded = tuple[Records, list[RankInfo], dict[int, list[dict]], dict[int, set[int]]]
+
+
+def load_all(chosen: dict[int, Path], headers: dict[Path, RingHeader], tally: Tally) -> Loaded:
+    """Every record of the chosen rings, rank by rank."""
+    # Columns are filled in place, sized from the headers (at most capacity, at most write_counter + 1
+    # records per ring): many small per-rank arrays would fragment the heap and double the peak memory.
+    columns = RecordColumns(sum(min(headers[p].write_counter + 1, headers[p].capacity) for p in chosen.values()))
+    infos: list[RankInfo] = []
+    metas: dict[int, list[dict]] = {}
+    used: dict[int, set[int]] = {}
+    # Sequential on purpose: read_ring is bound by the interpreter, threads measured no faster.
+    for rank, path in sorted(chosen.items()):
+        got = _read_rank(rank, path)
+        if isinstance(got, str):
+            tally.unreadable.append(got)
+            continue
+        columns.append(rank, got.records)
+        infos.append(got.info)
+        metas[rank] = got.meta
+        for gid in got.unknown_gids:
+            used.setdefault(gid, set()).add(rank)
+        tally.add(got)
+    return columns.finish(), infos, metas, used
+
+
+def _copy_columns(recs: np.ndarray, columns: dict[str, np.ndarray], at: int) -> None:
+    """Copy the fields of ``recs`` (RECORD_DTYPE) into ``columns`` from row ``at`` (all but ``rank``).
+
+    Block by block: each block of records stays in cache while its twelve fields are picked out.
+    """
+    for lo in range(0, len(recs), _COPY_BLOCK):
+        part = recs[lo:lo + _COPY_BLOCK]
+        for name, col in columns.items():
+            if name != "rank":
+                col[at + lo:at + lo + len(part)] = part[name]
+
+
+_COPY_BLOCK = 1 << 15  # records (2 MB) per block when picking fields out of records
+TAIL_BATCH = 128  # rings per read_tails call: ~2 MB of buffers at K=128, bounded whatever the trace's size
+_NO_RECORDS = np.empty(0, RECORD_DTYPE)
+
+
+@dataclass
+class TailColumns:
+    """The tails of every readable ring file, as columns, file after file."""
+
+    columns: dict[str, np.ndarray]
+    rows: dict[Path, tuple[int, int]]  # file -> (first row, count)
+    snaps: dict[Path, RingSnapshot]  # what was read, without the records (they are in ``columns``)
+    metas: dict[Path, bytes | None]  # the meta file's bytes (None: unreadable, read_meta will say why)
+
+
+def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None]]:
+    """The tails of ``batch`` (``read_tails``) and the bytes of their meta files.
+
+    The meta files are opened first and the kernel told they will be read (files not in the page
+    cache are then read ahead together, while the rings are read), by the rank in their name;
+    the rank in the ring header decides which file is read.
+    """
+    early: dict[str, int] = {}
+    try:
+        for path in batch[:open_budget()]:
+            m = RING_RE.match(path.name)
+            guess = _meta_path_str(int(m.group(1)) if m else -1, path)
+            try:
+                early[guess] = open_input(guess)
+            except OSError:
+                continue
+            if _FADVISE:
+                os.posix_fadvise(early[guess], 0, 0, os.POSIX_FADV_WILLNEED)
+        snaps = read_tails(batch, tail)
+        metas: list[bytes | None] = []
+        for path, got in zip(batch, snaps, strict=True):
+            data = None
+            if isinstance(got, RingSnapshot):
+                meta = _meta_path_str(got.header.rank, path)
+                try:
+                    data = _read_fd(early[meta]) if meta in early else _read_file(meta)
+                except OSError:
+                    pass  # read_meta says why, later
+            metas.append(data)
+    finally:
+        for fd in early.values():
+            os.close(fd)
+    return snaps, metas
+
+
+_FADVISE = hasattr(os, "posix_fadvise")
+
+
+def read_tail_columns(files: list[Path], tail: int, unreadable: list[str]) -> TailColumns:
+    """Every ring's tail and meta file, batch by batch, copied into the columns."""
+    # Sized for every file's whole tail (pages never written cost nothing); grown if a huge ``tail`` was asked.
+    columns = {name: np.empty(len(files) * min(tail, 4096), dt) for name, dt in COLUMNS.items()}
+    rows: dict[Path, tuple[int, int]] = {}
+    snaps: dict[Path, RingSnapshot] = {}
+    metas: dict[Path, bytes | None] = {}
+    n = 0
+    for lo in range(0, len(files), TAIL_BATCH):
+        batch = files[lo:lo + TAIL_BATCH]
+        got_snaps, got_metas = _read_batch(batch, tail)
+        parts: list[np.ndarray] = []
+        ranks: list[int] = []
+        counts: list[int] = []
+        at = n
+        for path, got, meta in zip(batch, got_snaps, got_metas, strict=True):
+            if not isinstance(got, RingSnapshot):
+                unreadable.append(str(got))
+                continue
+            k = len(got.records)
+            parts.append(np.ascontiguousarray(got.records).view(np.uint8))
+            rows[path] = (at, k)
+            at += k
+            ranks.append(got.header.rank)
+            counts.append(k)
+            got.records = _NO_RECORDS  # (no reference to read_tails' buffer)
+            snaps[path] = got
+            metas[path] = meta
+        if at > len(columns["rank"]):
+            columns = {name: _grown(col, n, max(at, 2 * len(col))) for name, col in columns.items()}
+        if at > n:
+            _copy_columns(np.concatenate(parts).view(RECORD_DTYPE), columns, n)
+            columns["rank"][n:at] = np.repeat(np.array(ranks, dtype=np.int32), counts)
+            n = at
+    return TailColumns({name: col[:n] for name, col in columns.items()}, rows, snaps, metas)
+
+
+def _grown(col: np.ndarray, used: int, size: int) -> np.ndarray:
+    out = np.empty(size, col.dtype)
+    out[:used] = col[:used]
+    return out
+
+
+def _read_metas(paths: list[str], data: list[bytes | None]) -> list[tuple[list[dict], list[ReadProblem], bool]]:
+    """``read_meta`` of many meta files, given their bytes: (entries, problems, file exists) each.
+
+    Well-formed files (complete lines, each a JSON object with a "kind") are parsed together, each
+    distinct line once (the members of a group all write the same group line) with one
+    ``json.loads``; their entries are fresh dicts, sharing the parsed values. Any other file is read
+    again by ``read_meta``, which reports what is wrong with it.
+    """
+    blobs: list[list[bytes] | None] = []
+    distinct: dict[bytes, int] = {}
+    for blob in data:
+        if blob is None or (blob and (not blob.endswith(b"\n") or b"\r" in blob)):
+            blobs.append(None)  # unreadable, torn or odd: read_meta below reports it
+            continue
+        lines = blob.split(b"\n")[:-1]
+        for line in lines:
+            distinct.setdefault(line, len(distinct))
+        blobs.append(lines)
+    try:
+        parsed = json.loads(b"[" + b",".join(distinct) + b"]") if distinct else []
+    except (ValueError, RecursionError):  # some line is not JSON (or nested too deep): line by line, bad ones None
+        parsed = [_json_or_none(line) for line in distinct]
+    fine = [isinstance(e, dict) and "kind" in e for e in parsed]
+    out: list[tuple[list[dict], list[ReadProblem], bool]] = []
+    for path, lines in zip(paths, blobs, strict=True):
+        ids = None if lines is None else [distinct[line] for line in lines]
+        if ids is not None and all(fine[i] for i in ids):
+            out.append(([dict(parsed[i]) for i in ids], [], True))
+        else:
+            entries, problems = read_meta(path)
+            out.append((entries, problems, os.path.exists(path)))
+    return out
+
+
+def _read_file(path: str) -> bytes:
+    """A meta file's bytes (``os.read`` on a descriptor: half the cost of ``open().read()``)."""
+    return read_input(path, META_LIMIT)
+
+
+def _read_fd(fd: int) -> bytes:
+    return read_fd(fd, META_LIMIT)
+
+
+def _json_or_none(line: bytes) -> object:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):  # read_meta reports the line
+        return None
+
+
+def load_tails(chosen: dict[int, Path], tails: TailColumns, tally: Tally) -> Loaded:
+    """The chosen rings' tails (already read into columns) and their meta files."""
+    order = sorted(chosen.items())
+    spans = [tails.rows[path] for _, path in order]
+    n = len(tails.columns["rank"])
+    contiguous = all(s[0] == (spans[k - 1][0] + spans[k - 1][1] if k else 0) for k, s in enumerate(spans)) \
+        and sum(s[1] for s in spans) == n
+    if contiguous:  # the usual case: files in rank order, all of them chosen
+        records = Records(**tails.columns)
+    else:  # files of another job, duplicates, or renamed files: keep the chosen ones, in rank order
+        take = np.concatenate([np.arange(a, a + k) for a, k in spans]) if spans else np.empty(0, np.int64)
+        records = Records(**{name: col[take] for name, col in tails.columns.items()})
+    infos: list[RankInfo] = []
+    metas: dict[int, list[dict]] = {}
+    read = _read_metas([_meta_path_str(rank, path) for rank, path in order], [tails.metas[path] for _, path in order])
+    for (rank, path), (entries, meta_problems, found) in zip(order, read, strict=True):
+        snap, h = tails.snaps[path], tails.snaps[path].header
+        info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly,
+                        tails.rows[path][1], snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns,
+                        snap.dropped - snap.overwritten, heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns,
+                        signal_ns=h.signal_ns)
+        infos.append(info)
+        metas[rank] = entries
+        tally.add(RankRead(info, _NO_RECORDS, entries, found, [str(p) for p in meta_problems if p.severity == "error"],
+                            [], damage(snap)))
+    return records, infos, metas, _unknown_groups(records, np.array([i.n_records for i in infos]), metas)
+
+
+def _unknown_groups(records: Records, counts: np.ndarray, metas: dict[int, list[dict]]) -> dict[int, set[int]]:
+    """Group id -> ranks that used it in records without declaring it in their own meta (all ranks at once).
+
+    ``counts``: rows per rank, ranks in the order of ``metas``. A rank declares a handful of groups:
+    they are compared column by column (the j-th declared group of every rank at once), no sort.
+    """
+    known = [known_gids(entries) for entries in metas.values()]
+    width = max((len(k) for k in known), default=0)
+    keyed = records.op < fmt.Op.MARK_STEP
+    if width <= 32:
+        declared = np.zeros(len(records), bool)
+        for j in range(width):
+            column = np.array([k[j] if j < len(k) else -1 for k in known], dtype=np.int64)
+            declared |= records.group_id == np.repeat(column, counts)
+        left_rows = np.flatnonzero(keyed & ~declared)
+        keys = (records.rank[left_rows].astype(np.int64) << 32) | records.group_id[left_rows].astype(np.int64)
+    else:  # some rank declares many groups: a sorted membership test
+        keys = (records.rank[keyed].astype(np.int64) << 32) | records.group_id[keyed].astype(np.int64)
+        flat = np.array([(rank << 32) | gid for rank, k in zip(metas, known) for gid in k], dtype=np.int64)
+        keys = keys[~np.isin(keys, flat)]
+    used: dict[int, set[int]] = {}
+    left = np.unique(keys)
+    for rank, gid in zip((left >> 32).tolist(), (left & 0xFFFFFFFF).tolist(), strict=True):
+        used.setdefault(gid, set()).add(rank)
+    return used
+
+
+
+def extend_tails(trace: TraceSet, ranks: Iterable[int], last: int | None) -> TraceSet:
+    """``trace`` (loaded with ``tail``, clocks not aligned yet) with ``ranks`` re-read further back:
+    their newest ``last`` records, or all of them (None)."""
+    if trace.time_base != "monotonic":
+        raise ValueError("extend the tails before aligning the clocks")
+    fresh: dict[int, RingSnapshot] = {}
+    for r in sorted(set(ranks)):
+        info = trace.info(r)
+        if info is None or not info.unread:
+            continue
+        try:
+            snap = read_ring(info.path, last=last)
+        except (RingFormatError, OSError):
+            continue  # (it was readable a moment ago: keep the tail already loaded)
+        if len(snap.records) > info.n_records:
+            fresh[r] = snap
+    if not fresh:
+        return trace
+    rec = trace.records
+    cols = {name: [] for name in COLUMNS}
+    infos = list(trace.rank_info)
+    problems = list(trace.problems)
+    prev = 0
+    for r, snap in fresh.items():
+        p = trace.pos(r)
+        a, b = int(trace.starts[p]), int(trace.starts[p + 1])
+        for name, dt in COLUMNS.items():
+            cols[name].append(getattr(rec, name)[prev:a])
+            cols[name].append(np.full(len(snap.records), r, dt) if name == "rank" else snap.records[name].astype(dt))
+        prev = b
+        info = infos[p]
+        infos[p] = dataclasses.replace(info, n_records=len(snap.records), dropped=snap.overwritten, lost=snap.lost,
+                                       unread=snap.dropped - snap.overwritten)
+        harm = damage(snap)
+        if harm and not info.lost:
+            problems.append(LoadProblem("warning", "ring-damage", f"rank {r}: {harm} (read further back for the "
+                                        "hang analysis; kept the rest)", ranks=(r,), paths=(info.path,)))
+    for name in COLUMNS:
+        cols[name].append(getattr(rec, name)[prev:])
+    records = Records(**{name: np.concatenate(parts) for name, parts in cols.items()})
+    starts = np.concatenate([[0], np.cumsum([i.n_records for i in infos])]).astype(np.int64)
+    return dataclasses.replace(trace, records=records, rank_info=infos, starts=starts, problems=problems)
