@@ -146,9 +146,26 @@ def test_a_rank_whose_sigterm_is_still_pending_ended_with_the_others() -> None:
     probe = ProcessProbe("h", 200 * S, {0: GONE, 1: GONE, 2: GONE, 3: ENDING})
     live = assess(infos, [0] * 4, {"h": 0}, {r: 98 * S for r in range(4)}, probe)
     assert live.ended_together and not live.culprits(), live
-    died = assess(infos, [0] * 4, {"h": 0}, {r: 98 * S for r in range(4)},
+    unmarked = [_info(r, pulse=100 * S - r * 10 * MS) for r in range(3)] + [infos[3]]
+    died = assess(unmarked, [0] * 4, {"h": 0}, {r: 98 * S for r in range(4)},
                   ProcessProbe("h", 200 * S, {0: GONE, 1: GONE, 2: GONE, 3: RUNNING}))
-    assert set(died.crashed), "(the twin: a rank that truly outlives the others still makes them crashes)"
+    assert set(died.crashed), "(the twin: a rank that truly outlives unmarked deaths still makes them crashes)"
+
+
+def test_a_rank_that_unwinds_after_the_others_were_ended_went_with_them() -> None:
+    """A job killed as a whole where one rank's SIGTERM came late: its collective failed as the others went, it
+    raised and closed its tracer (no mark). It went with the job: no crash, the job ended together (the CI failure
+    of test_a_job_killed_as_a_whole_is_no_hang[sigterm], reproduced with real torchrun in test_real_programs)."""
+    infos = [_info(r, pulse=100 * S - r * MS, signal_ns=100 * S + r * MS) for r in range(3)]
+    infos.append(_info(3, closed=True, pulse=100 * S + 20 * MS))
+    probe = ProcessProbe("h", 200 * S, {0: GONE, 1: GONE, 2: GONE})
+    live = assess(infos, [0] * 4, {"h": 0}, {r: 99 * S for r in range(4)}, probe)
+    assert live.ended_together and not live.culprits() and live.followers == [3], live
+    # twin: a rank that closed its tracer before any SIGTERM reached the job finished first; it is no follower,
+    # and the ranks marked by SIGTERM after it are still no crash.
+    early = infos[:3] + [_info(3, closed=True, pulse=99 * S)]
+    live = assess(early, [0] * 4, {"h": 0}, {r: 99 * S for r in range(4)}, probe)
+    assert not live.ended_together and not live.followers and not live.crashed, live
 
 
 def test_processes_all_gone_at_once_with_no_ring_closed_ended_together() -> None:

@@ -176,6 +176,30 @@ def test_a_job_killed_as_a_whole_is_no_hang(sig: int, tmp_path: Path, jobs: list
     assert not alarms, alarms
 
 
+def test_a_rank_whose_sigterm_comes_late_goes_with_the_job(tmp_path: Path, jobs: list[Job]) -> None:
+    """A cancel that reaches one rank late (a loaded host): the others are ended by SIGTERM, its all-reduce fails as
+    they go, it raises and closes its tracer. It went with the job: no crash, no hang (the CI failure of the test
+    above, made certain)."""
+    job = Job(DDP, tmp_path, "--iterations", "100000", "--seconds", "120")
+    jobs.append(job)
+    job.pid(0, warm_records=200)
+    late = read_ring(job.rings / "rank-00003.ring").header.pid
+    for pid in job.worker_pids():
+        if pid != late:
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not read_ring(job.rings / "rank-00003.ring").header.closed_cleanly:
+        time.sleep(0.1)  # rank 3 fails in its next all-reduce and unwinds
+    job.kill_all(signal.SIGTERM)
+    job.wait()
+    result = analyze(job.rings)
+    assert read_ring(job.rings / "rank-00003.ring").header.closed_cleanly, _diagnosis(result)
+    healthy = [f for f in result.findings if f.kind == Kind.HEALTHY]
+    assert len(healthy) == 1 and "ended as a whole" in healthy[0].verdict, _diagnosis(result)
+    assert "rank 3 closed the tracer after the others were ended" in str(healthy[0].evidence), _diagnosis(result)
+    assert not [f for f in result.findings if f.kind in HANG_KINDS], _diagnosis(result)
+
+
 def _diagnosis(result) -> str:
     """What the analysis saw, for a failure's message: its findings, each rank's end and the liveness judgement."""
     lines = [f"{f.severity.name} {f.kind.value}: {f.verdict} | {f.evidence[:3]}" for f in result.findings[:6]]

@@ -433,10 +433,16 @@ def healthy_finding(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> Find
     """The finding when no rank waits on anything: a clean run, or a stop outside traced communication."""
     s = m.summary()
     if hang.liveness.ended_together:
+        followers = hang.liveness.followers
+        how = ("within moments of each other, from outside or failing as the others went" if followers else
+               "at the same moment without closing its tracer")
         return Finding(id="healthy", severity=Severity.INFO, kind=Kind.HEALTHY, subject=Subject(),
-                       verdict=f"no hang: every process ended at the same moment without closing its tracer (the "
-                               f"job was ended as a whole: a time limit, a cancel) and no rank had stopped before "
-                               f"({s['collective_instances']} collectives, {s['p2p_pairs']} point-to-point pairs)",
+                       verdict=f"no hang: every process ended {how} (the job was ended as a whole: a time limit, a "
+                               f"cancel) and no rank had stopped before ({s['collective_instances']} collectives, "
+                               f"{s['p2p_pairs']} point-to-point pairs)",
+                       evidence=[f"{'rank' if len(followers) == 1 else 'ranks'} {', '.join(map(str, followers[:8]))} "
+                                 f"closed the tracer after the others were ended from outside (SIGTERM): "
+                                 f"communication failed as they went"] if followers else [],
                        confidence=0.8 * trace.coverage, impact=len(trace.ranks))
     if hang.finished:
         evidence = []

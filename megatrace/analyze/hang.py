@@ -427,7 +427,8 @@ def _confirm(trace: TraceSet, roots: list[RootCause], waits: dict[int, list[Wait
         if root.confirmed or root.kind == "cycle":
             root.confirmed = True
             continue
-        failed = any(w.failed for r in root.waiters + root.ranks for w in waits.get(r, ()))
+        # (a job ended as a whole fails the collectives of the ranks that go last: no proof of a hang then)
+        failed = not live.ended_together and any(w.failed for r in root.waiters + root.ranks for w in waits.get(r, ()))
         proc = [trace.facts.procs.get(r) for r in root.ranks]
         crashed = any(p is not None and p.crashed for p in proc)
         stopped_running = any(r in live.culprits() for r in root.ranks)  # the process itself says so

@@ -48,6 +48,7 @@ class Liveness:
     frozen: dict[int, str] = field(default_factory=dict)  # rank -> evidence
     crashed: dict[int, str] = field(default_factory=dict)  # rank -> evidence
     ended_together: bool = False
+    followers: list[int] = field(default_factory=list)  # closed their tracer after the job was being ended
     alive: bool = False  # some process still ran when the trace was observed
 
     def culprits(self) -> set[int]:
@@ -126,19 +127,27 @@ def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dic
             out.frozen[rank] = (f"its tracer's heartbeat stopped {_duration(now - beat)} before the trace was read "
                                 "while the other ranks' went on: its process stopped running (stopped or killed)")
     if gone:
-        survivors = [r for r, i in by_rank.items() if i.closed_cleanly or states.get(r) in (RUNNING, STOPPED)]
         seen = {r: out.seen_ns.get(r, now) for r in gone}
-        everyone = not survivors and len(gone) == len(by_rank)
         ended = {r: signals[r] for r in gone if r in signals}  # ended from outside, at these times
         first_signal = min(ended.values(), default=None)
+        # A rank that closed its tracer after the first SIGTERM reached the job left because the others were
+        # being ended (its collective failed, it unwound): it went with the job, it did not outlive a crash.
+        followers = {r for r, i in by_rank.items() if i.closed_cleanly and first_signal is not None
+                     and out.seen_ns.get(r, 0) >= first_signal}
+        survivors = [r for r, i in by_rank.items()
+                     if (i.closed_cleanly and r not in followers) or states.get(r) in (RUNNING, STOPPED)]
+        everyone = not survivors and len(gone) + len(followers) == len(by_rank)
+        out.followers = sorted(followers) if everyone else []
         died = [r for r in gone if r not in ended and r in pulses and (first_signal is None or seen[r] < first_signal)]
         if first_signal is not None and (died or everyone):
             out.ended_together = everyone and not died  # a time limit or a cancel: every process ended from outside
             crashed = _first_gone(died, seen, DEATH_TIE_PULSE_NS)
         elif everyone and max(seen.values()) - min(seen.values()) <= FROZEN_NS:
             out.ended_together, crashed = True, []
-        else:
-            crashed = _first_gone(gone, seen, DEATH_TIE_PULSE_NS if all(r in pulses for r in gone) else DEATH_TIE_NS)
+        else:  # (a process with a signal mark was ended from outside: never a crash)
+            unmarked = [r for r in gone if r not in ended]
+            crashed = _first_gone(unmarked, seen, DEATH_TIE_PULSE_NS if all(r in pulses for r in unmarked)
+                                  else DEATH_TIE_NS)
         for r in crashed:
             after = sorted(r2 for r2 in ended if ended[r2] >= seen[r] and r2 not in crashed)
             out.crashed[r] = (f"its process (pid {by_rank[r].pid}) is gone and its ring was never closed "
