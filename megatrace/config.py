@@ -12,7 +12,7 @@ Rank orders (the first named dimension varies fastest):
 * any other permutation of the three (e.g. ``dp-tp-pp``), read the same way
 
 The job's other facts (batch sizes, features, sources) live in
-:mod:`megatrace.jobconfig` and its ``job.yaml``.
+:mod:`megatrace.analyze.jobconfig` and its ``job.yaml``.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from megatrace.errors import MegatraceError
+
 ORDERS = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
 SCHEDULES = ("1f1b", "gpipe")
 GROUP_KINDS = ("tp", "pp", "dp")
 
 
-class LayoutError(ValueError):
+class LayoutError(MegatraceError, ValueError):
     """An invalid layout; the message names the field (and the file when there is one)."""
 
 

@@ -30,12 +30,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from megatrace.errors import MegatraceError
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _MAX_LINKS = 16
 INPUT_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-class UnsafePathError(OSError):
+class UnsafePathError(MegatraceError, OSError):
     """A path crosses a link, file type or owner that we refuse; the message names the path and why."""
 
 

@@ -1,4 +1,5 @@
-"""The pipeline's last steps on a collected bundle: analyze it, then write the report (collect → analyze → report).
+"""The pipeline's last steps on a collected bundle: analyze it, then write the report (collect → analyze → report);
+and the full export of a trace (load → analyze's clock alignment → report's Perfetto writer).
 
 The collector (``megatrace collect``, run by the agent on a hang and by the epilog at the job's end) writes the
 bundle and hands it here through ``BundleWriter.finish(analyse=analyze_bundle)``; collection itself never
@@ -13,9 +14,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatrace.collect.bundle import BundleWriter
+
+if TYPE_CHECKING:
+    from megatrace.report.perfetto import ExportStats
 
 
 def analyze_bundle(writer: BundleWriter, mode: str, report: bool) -> dict[str, Any]:
@@ -51,6 +55,35 @@ def analyze_bundle(writer: BundleWriter, mode: str, report: bool) -> dict[str, A
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def export_trace(trace_dir: str | os.PathLike[str], out: str | os.PathLike[str],
+                 format: str = "auto") -> ExportStats:  # noqa: A002 - load_trace's format
+    """Load ``trace_dir`` (any format), match it and write every record to ``out``
+    (:mod:`megatrace.report.perfetto`; ``megatrace export --perfetto``).
+
+    Nothing is written into ``trace_dir`` (no analysis runs: loading, matching and clock alignment are all
+    the export needs). A name ending in ``.gz`` is written gzipped; the file appears whole or not at all.
+    Raises :class:`~megatrace.report.perfetto.ExportError` when ``out`` cannot be written (checked before the
+    trace is loaded) and what :func:`~megatrace.load.load_trace` raises for an unreadable trace.
+    """
+    from megatrace.report.perfetto import write_trace_file
+
+    return write_trace_file(out, lambda: _aligned_trace(trace_dir, format))
+
+
+def _aligned_trace(trace_dir: str | os.PathLike[str], format: str) -> tuple[Any, Any, Any]:  # noqa: A002
+    """(trace, its record index, its clock alignment) of ``trace_dir``, ready to export."""
+    from megatrace.analyze.clock import align_clocks
+    from megatrace.analyze.index import index_records
+    from megatrace.load import load_trace
+    from megatrace.load.traceset import TraceLoadError
+
+    trace = load_trace(trace_dir, format=format)
+    if not len(trace.records):
+        raise TraceLoadError(f"{trace_dir}: no records to export")
+    ix = index_records(trace)
+    return trace, ix, align_clocks(trace, ix, in_place=True)
 
 
 def _report(writer: BundleWriter, findings_text: str) -> str | None:

@@ -90,7 +90,16 @@ job_ids_ok() {
 	for id in "${SLURM_JOB_ID:-}" "${SLURM_JOB_UID:-}" "${SLURM_JOB_GID:-}"; do
 		case "$id" in *[!0-9]* | '') return 1 ;; esac
 	done
-	case "${SLURMD_NODENAME:-}" in *[!A-Za-z0-9._-]* | '' | . | ..) SLURMD_NODENAME=$(hostname -s) ;; esac
+	SLURMD_NODENAME=$(plain_node_name "${SLURMD_NODENAME:-}")
+}
+
+# $1 when it is a plain word fit for a path (megatrace/names.py SAFE_CHARS; not . nor ..), else the short
+# host name; printed.
+plain_node_name() {
+	case "$1" in
+	*[!A-Za-z0-9._-]* | '' | . | ..) hostname -s ;;
+	*) printf '%s' "$1" ;;
+	esac
 }
 
 as_user() { setpriv --reuid="$SLURM_JOB_UID" --regid="$SLURM_JOB_GID" --init-groups -- "$@"; }

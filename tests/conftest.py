@@ -1,4 +1,5 @@
-"""Fixtures shared by test modules: the local Slurm lab (4 virtual nodes on this host)."""
+"""Fixtures shared by test modules: the local Slurm lab (4 virtual nodes on this host), and headless Chromium
+(``browser``, from tests/helpers/browser.py). Shared helpers that are not fixtures: tests/helpers/."""
 
 from __future__ import annotations
 
@@ -10,15 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.browser import browser  # noqa: F401  (the fixture)
+from helpers.slurm_lab import lab_unavailable
 
 MEGATRACE = str(Path(sys.executable).parent / "megatrace")
-
-
-def lab_unavailable(why: str) -> None:
-    """Skip on a developer machine that cannot run the lab; under CI the lab is required: fail."""
-    if os.environ.get("CI"):
-        pytest.fail(f"the Slurm lab is required under CI: {why}")
-    pytest.skip(why)
 
 
 @pytest.fixture(scope="session")

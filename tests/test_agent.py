@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from megatrace.collect.agent import (DONE, EXITED, FINISHED, HEALTHY, PROGRESSING, STALLED, SUSPECT, Agent,
-                                     AgentConfig, AgentStatus, RankObservation, RankVerdict, assess_rank,
-                                     default_collect_cmd, default_state_dir, job_confirmed, node_pattern,
-                                     node_state, pid_alive, request_trigger, scan, StepsAgent)
+from megatrace.collect.agent import (Agent, AgentConfig, StepsAgent, default_collect_cmd, default_state_dir,
+                                     node_pattern, pid_alive, request_trigger, scan)
+from megatrace.collect.detect import (DONE, EXITED, FINISHED, HEALTHY, PROGRESSING, STALLED, SUSPECT, AgentStatus,
+                                      RankObservation, RankVerdict, assess_rank, job_confirmed, node_state)
 
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
 
 from megatrace.analyze.arrival_lag import arrival_lag_stragglers
 from megatrace.analyze.clock import align_clocks

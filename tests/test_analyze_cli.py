@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
 from click.testing import CliRunner
 
 from megatrace.cli import main

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from analysis_factory import MS, WALL_BASE, TraceBuilder
+from helpers.analysis_factory import MS, WALL_BASE, TraceBuilder
 
 from megatrace.analyze.clock import align_clocks
 from megatrace.analyze.match import index_records, match

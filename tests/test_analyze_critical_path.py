@@ -7,7 +7,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 import pytest
-from pipeline_sim import PipelineSim
+from helpers.pipeline_sim import PipelineSim
 
 from megatrace.analyze.critical_path import critical_path, critical_path_stage, what_if
 from megatrace.analyze.depgraph import Edge, EdgeKind, GraphError, IterationGraph, Node, NodeKind, validate
@@ -205,7 +205,7 @@ def test_without_a_layout_file_the_layout_is_inferred_and_the_graph_still_built(
     (root / "layout.yaml").unlink()
     res = analyze(root, stages=STAGES)
     layout = res.trace.layout
-    assert (layout.tp, layout.pp, layout.dp) == (2, 2, 2)  # from the process groups (megatrace.jobconfig)
+    assert (layout.tp, layout.pp, layout.dp) == (2, 2, 2)  # from the process groups (megatrace.analyze.jobconfig)
     assert res.results["iterations"].method == "dp-sync"
     assert res.results["iterations"].n_steps == 4
     assert res.results["critical_path"].paths

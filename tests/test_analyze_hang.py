@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
 
 from megatrace.analyze.engine import AnalysisResult, analyze
 from megatrace.analyze.findings import Kind, Severity

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
+from helpers.memory import PEAK_KIB
 
 from megatrace.config import Layout
 from megatrace.load import TraceLoadError, load_trace
@@ -205,9 +206,9 @@ def test_rings_claiming_a_world_of_two_billion_ranks_are_refused_in_bounded_memo
         w = RingWriter(tmp_path, RingIdentity(rank=rank, world_size=2**31 - 1, job_id="j"), capacity=128)
         w.complete(w.begin(1, 7, 1, 4))
         w.close()
-    code = (f"import resource, sys\nfrom megatrace.cli import main\n"
+    code = (f"import sys\nfrom megatrace.cli import main\n"
             f"try:\n    main(['analyze', {str(tmp_path)!r}])\n"
-            f"except SystemExit as e:\n    print('exit', e.code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+            f"except SystemExit as e:\n    print('exit', e.code, {PEAK_KIB})\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in done.stderr and "world size 2147483647 is outside 1..1048576" in done.stderr
     _, code_, rss_kib = done.stdout.split()
@@ -239,10 +240,10 @@ def test_a_sparse_gigabyte_ring_costs_only_what_its_capacity_says(tmp_path: Path
     w.complete(w.begin(1, 7, 1, 4))
     w.close()
     os.truncate(w.path, 1 << 30)
-    code = (f"import resource\nfrom megatrace.trace.ring_reader import read_ring\n"
-            f"before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+    code = (f"from megatrace.trace.ring_reader import read_ring\n"
+            f"before = {PEAK_KIB}\n"
             f"s = read_ring({str(w.path)!r})\n"
-            f"print(len(s.records), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
+            f"print(len(s.records), {PEAK_KIB} - before)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     n, grown_kib = done.stdout.split()
     # What reading costs, whatever the interpreter had loaded before: the capacity's 8 KiB, not the file's 1 GiB.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from analysis_factory import MS, TraceBuilder
+from helpers.analysis_factory import MS, TraceBuilder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

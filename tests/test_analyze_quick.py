@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
 
 from megatrace.analyze import engine
 from megatrace.analyze.engine import AnalysisResult, analyze
@@ -174,7 +174,7 @@ def test_a_member_entered_the_collective_before_its_tail_reads_further_back(tmp_
 
 
 def _send(src: int, dst: int, g, b: TraceBuilder, at: float):
-    from analysis_factory import Rec
+    from helpers.analysis_factory import Rec
 
     return Rec(at, int(Op.SEND), g.gid, b._next(("s", src, g.gid, dst)), 2048, dst, done=at + 0.5)
 

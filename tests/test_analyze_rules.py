@@ -8,17 +8,17 @@ from typing import Any
 
 import pytest
 import yaml
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
 
 from megatrace.analyze.engine import STAGES, analyze
 from megatrace.analyze.facts import build_facts, facts_from_meta
-from megatrace.trace.environment import filter_env
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject
 from megatrace.analyze.rules import (RULES_DIR_ENV, RuleSet, default_rules_dir, evaluate_rules, load_rules,
                                      make_rules_stage, run_rules)
 from megatrace.analyze.rules_eval import MISSING, evaluate, evaluate_rule, lookup, render, render_value
 from megatrace.analyze.rules_parse import FACT_PATH_RE, compile_condition, parse_rules_text, template_paths
 from megatrace.config import Layout
+from megatrace.trace.environment import filter_env
 
 # -- helpers ---------------------------------------------------------------------------------------
 

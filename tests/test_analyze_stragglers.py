@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from analysis_factory import TraceBuilder
-from pipeline_sim import PipelineSim
+from helpers.analysis_factory import TraceBuilder
+from helpers.pipeline_sim import PipelineSim
 
 from megatrace.analyze.critical_path import critical_path_stage
 from megatrace.analyze.engine import analyze

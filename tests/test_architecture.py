@@ -107,3 +107,48 @@ def test_no_private_name_is_imported_from_another_module() -> None:
              for target, name, line in found
              if name and name.startswith("_") and not name.startswith("__") and target != m]
     assert not wrong, "\n".join(wrong)
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _imported_test_modules(path: Path) -> list[tuple[str, int]]:
+    """(module, line) for every import of a test module (``test_*``) or of conftest in the file, function-level
+    imports and ``importlib.import_module("...")`` / ``__import__("...")`` of a literal name included."""
+    names: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.append((node.module, node.lineno))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None)
+                   in ("__import__", "import_module"))):
+            names.append((node.args[0].value, node.lineno))
+    return [(n, line) for n, line in names if n.split(".")[0].startswith("test_") or n.split(".")[0] == "conftest"]
+
+
+def test_no_test_module_imports_another_test_module_or_conftest() -> None:
+    """Shared test code lives in tests/helpers/; a test module imports from there, never from another test
+    module (which would run that module's import-time skips and marks, and hide what is shared) or conftest."""
+    files = sorted(TESTS.glob("*.py")) + sorted((TESTS / "helpers").glob("*.py"))
+    wrong = [f"{path.relative_to(TESTS.parent)}:{line} imports {name}" for path in files
+             for name, line in _imported_test_modules(path)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_or_function_outgrows_a_reader() -> None:
+    """At most MAX_MODULE_LINES per module, MAX_FUNCTION_LINES per function (its ``def`` to its last line; a
+    command's stacked click options are decorators, not body)."""
+    wrong = []
+    for name, path in MODULES.items():
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > MAX_MODULE_LINES:
+            wrong.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    wrong.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not wrong, "\n".join(wrong)

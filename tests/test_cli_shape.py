@@ -12,7 +12,7 @@ import click
 from click.testing import CliRunner
 
 import megatrace
-from megatrace.cli import MegatraceError, main
+from megatrace.cli import CommandError, main
 from megatrace.cli.sections import OTHER, SECTIONS
 
 HEAVY = {"numpy", "networkx", "torch"}
@@ -74,11 +74,22 @@ def _modules():
             continue
 
 
-def test_every_user_facing_error_derives_from_megatrace_error() -> None:
+def test_every_command_error_derives_from_command_error() -> None:
     classes = {(cls.__module__, cls.__qualname__) for module in _modules()
                for _, cls in inspect.getmembers(module, inspect.isclass)
                if issubclass(cls, click.ClickException) and cls.__module__.startswith("megatrace")}
-    assert ("megatrace.cli.settings", "MegatraceError") in classes
+    assert ("megatrace.cli.settings", "CommandError") in classes
     for module_name, qualname in classes:
         cls = getattr(importlib.import_module(module_name), qualname)
-        assert issubclass(cls, MegatraceError), f"{module_name}.{qualname}"
+        assert issubclass(cls, CommandError), f"{module_name}.{qualname}"
+
+
+def test_every_error_class_of_the_package_derives_from_megatrace_error() -> None:
+    """One base for every error MegaTrace raises (megatrace.errors), each keeping its built-in base."""
+    from megatrace.errors import MegatraceError
+
+    classes = {cls for module in _modules() for _, cls in inspect.getmembers(module, inspect.isclass)
+               if issubclass(cls, BaseException) and cls.__module__.startswith("megatrace")}
+    assert len(classes) >= 20, sorted(c.__qualname__ for c in classes)
+    stray = sorted(f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, MegatraceError))
+    assert not stray, stray

@@ -2,7 +2,7 @@
 
 For each engine a healthy run is checked three ways: it trains (the loss falls) and writes what
 the 3D demo writes; its rings hold every collective and point-to-point call the program made,
-counted by torch itself (Flight Recorder and profiler, :mod:`tests.comm_counts`); and its analysis
+counted by torch itself (Flight Recorder and profiler, :mod:`helpers.comm_counts`); and its analysis
 names no hang and no straggler. Each fault kind an engine supports is then injected once and its
 signature looked for in the rings. Runs use 2 ranks (4 for tp, a 2 x 2 mesh) and few steps.
 """
@@ -25,7 +25,7 @@ from megatrace.trace.ring_format import Op, State
 
 torch = pytest.importorskip("torch")
 
-from comm_counts import reference_counts, reference_disagreement, reference_env, ring_counts  # noqa: E402
+from helpers.comm_counts import reference_counts, reference_disagreement, reference_env, ring_counts  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, DemoResult, run_local  # noqa: E402
 from megatrace.trace.ring_reader import read_ring  # noqa: E402
 

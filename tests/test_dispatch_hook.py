@@ -11,10 +11,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers.torch_ranks import finish, groups, launch, records
 
 from megatrace.trace.ring_format import Flag, Op, State
-
-from test_torch_hook import finish, groups, launch, records
 
 torch = pytest.importorskip("torch")
 

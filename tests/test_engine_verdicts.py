@@ -19,7 +19,7 @@ import pytest
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
 from megatrace.trace.ring_reader import RingFormatError, read_ring
-from outside import Throttle
+from helpers.outside import Throttle, wait_for
 
 pytest.importorskip("torch")
 
@@ -88,8 +88,8 @@ def test_a_rank_stopped_from_outside_is_named_on_the_live_rings(engine: str, tmp
     runs.append(run)
     pid = run.victim_pid()
     os.kill(pid, signal.SIGSTOP)
-    try:
-        time.sleep(3)
+    try:  # until the live rings show it (the others wait on the stopped rank)
+        wait_for(lambda: analyze(run.out).findings[0].kind == Kind.COMPUTE_HANG, timeout=60)
         top = analyze(run.out).findings[0]
     finally:
         os.kill(pid, signal.SIGCONT)

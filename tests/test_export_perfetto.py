@@ -27,9 +27,10 @@ from megatrace.analyze.engine import analyze  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
 from megatrace.load import load_trace  # noqa: E402
-from megatrace.report.perfetto import PID_BASE, assign_lanes, dumps, export_trace, trace_events  # noqa: E402
+from megatrace.pipeline import export_trace  # noqa: E402
+from megatrace.report.perfetto import PID_BASE, assign_lanes, dumps, trace_events  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
-from test_import_nccl_log import write_nccl_logs  # noqa: E402  (the NCCL-patch log writer)
+from helpers.nccl_logs import write_nccl_logs  # noqa: E402  (the NCCL-patch log writer)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ or line and the field; never a traceback, a hang, or a silently wrong trace (iss
 
 One real demo run (TP2 x PP2, healthy, 2 steps, with the Flight Recorder hook) per module gives real Flight
 Recorder dumps; its rings are written as Megatrace NCCL-patch logs and NCCL Inspector lines by the writers of
-test_import_nccl_log.py and test_import_inspector.py. Each test mutates a copy of those real files and runs
+tests/helpers/nccl_logs.py and tests/helpers/inspector_logs.py. Each test mutates a copy of those real files and runs
 ``megatrace analyze`` on it: in-process (click's CliRunner) or, where the input could hang the process, as a
 subprocess under a timeout.
 """
@@ -30,8 +30,8 @@ from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
 from megatrace.load import load_trace  # noqa: E402
 from megatrace.load.importers import flight_recorder  # noqa: E402
 from megatrace.load.traceset import TraceLoadError, TraceSet  # noqa: E402
-from test_import_inspector import write_inspector  # noqa: E402
-from test_import_nccl_log import write_nccl_logs  # noqa: E402
+from helpers.inspector_logs import write_inspector  # noqa: E402
+from helpers.nccl_logs import write_nccl_logs  # noqa: E402
 
 BOUND_S = 30.0  # every bad input is refused (or read) within this, on a loaded machine
 

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow  # real multi-process torch runs
 
 from megatrace.analyze.engine import analyze  # noqa: E402
 from megatrace.analyze.findings import Kind, Severity  # noqa: E402
-from megatrace.analyze.stragglers import RankStats, _explain_neighbours  # noqa: E402
+from megatrace.analyze.straggler_stats import RankStats  # noqa: E402
+from megatrace.analyze.stragglers import _explain_neighbours  # noqa: E402
 from megatrace.cli import main  # noqa: E402
 from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
 from megatrace.load import load_trace  # noqa: E402
@@ -34,7 +35,7 @@ from megatrace.load.importers.flight_recorder import find_dumps, read_dump  # no
 from megatrace.load.importers.safe_pickle import UnsafePickleError, safe_loads  # noqa: E402
 from megatrace.load.traceset import TraceLoadError  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
-from test_import_nccl_log import write_nccl_logs  # noqa: E402  (the NCCL-patch log writer)
+from helpers.nccl_logs import write_nccl_logs  # noqa: E402  (the NCCL-patch log writer)
 
 FR_ENV = {"TORCH_FR_BUFFER_SIZE": "2000"}
 
@@ -110,7 +111,7 @@ def test_the_demo_hang_is_named_from_flight_recorder_dumps_alone(hang_run: Path)
     (fault,) = json.loads((hang_run / "fault.json").read_text())["faults"]
     assert detect_format(hang_run) == "rings"  # the rings win when both are there ...
     trace = load_trace(hang_run, format="flight-recorder")  # ... so force the dumps
-    assert trace.job_id == "flight-recorder" and list(trace.ranks) == [0, 1, 2, 3]
+    assert trace.source_format == trace.job_id == "flight-recorder" and list(trace.ranks) == [0, 1, 2, 3]
     tp = {g.ranks for g in trace.groups.values() if g.desc == "tp"}
     assert tp == {(0, 1), (2, 3)}
     rec = trace.records

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_job import torchrun_job as _job
+from helpers.torchrun_job import torchrun_job as _job
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity

@@ -2,7 +2,7 @@
 
 The job (tests/programs/kineto_gloo_job.py) runs 3 ranks under ``torch.profiler`` and exports one chrome
 trace per rank (rank 0's gzipped). In the slow run, rank 1 is throttled from outside (SIGSTOP/SIGCONT,
-:class:`outside.Throttle`); the healthy run is left alone.
+:class:`helpers.outside.Throttle`); the healthy run is left alone.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from megatrace.load.importers import detect_format  # noqa: E402
 from megatrace.load.importers.kineto import OPS, _key, load_kineto, read_document  # noqa: E402
 from megatrace.load.traceset import TraceLoadError  # noqa: E402
 from megatrace.trace.ring_format import Op, State  # noqa: E402
-from outside import Throttle  # noqa: E402
+from helpers.outside import Throttle  # noqa: E402
 
 JOB = Path(__file__).with_name("programs") / "kineto_gloo_job.py"
 WORLD, SLOW = 3, 1
@@ -83,7 +83,8 @@ def test_every_profiled_call_is_imported(runs: dict[str, Path]) -> None:
     out = runs["slow"]
     assert detect_format(out) == "kineto"
     trace = load_trace(out)
-    assert trace.job_id == "kineto" and trace.world_size == WORLD and list(trace.ranks) == [0, 1, 2]
+    assert trace.source_format == trace.job_id == "kineto" and trace.world_size == WORLD
+    assert list(trace.ranks) == [0, 1, 2]
     for rank in range(WORLD):
         path = next(out.glob(f"trace-rank{rank}.json*"))
         counted: dict[int, int] = {}

@@ -14,7 +14,6 @@ import json
 import pickle
 import re
 import shutil
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers.inspector_logs import write_inspector
 
 from megatrace.cli import main
 from megatrace.load.importers.safe_pickle import safe_loads
@@ -159,9 +159,6 @@ def test_nccl_patch_logs_with_one_line_changed(log_slice: Path, data: st.DataObj
 @pytest.fixture(scope="module")
 def inspector_lines(log_slice: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """NCCL Inspector lines of the log slice's completed collectives, one file per rank."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_import_inspector import write_inspector
-
     from megatrace.load import load_trace
 
     out = tmp_path_factory.mktemp("inspector") / "lines"

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
+from helpers.nccl_logs import write_nccl_logs  # the tests' writer of the NCCL patch's line format
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject, order_findings
@@ -127,9 +128,6 @@ def slow_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
 
 
 def _logs(run: Path, out: Path, group_hash: bool) -> Path:
-    # the tests' writer of the NCCL patch's line format
-    from test_import_nccl_log import write_nccl_logs
-
     write_nccl_logs(load_trace(run), out, group_hash=group_hash)
     return out
 
@@ -167,8 +165,6 @@ def test_a_log_that_lost_its_last_dumps_is_no_hang(slow_run: tuple[Path, int], t
 @pytest.mark.slow
 def test_a_log_that_lost_a_dump_in_the_middle_is_no_hang(slow_run: tuple[Path, int], tmp_path: Path) -> None:
     run, slow = slow_run
-    from test_import_nccl_log import write_nccl_logs
-
     written = write_nccl_logs(load_trace(run), tmp_path / "logs", group_hash=False, ring=25)  # dumps do not overlap
     log = tmp_path / "logs" / "rank_1.log"
     log.write_text("".join(line for line in log.read_text().splitlines(keepends=True)

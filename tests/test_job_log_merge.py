@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_job import WORLD, torchrun_job
+from helpers.torchrun_job import WORLD, torchrun_job
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind

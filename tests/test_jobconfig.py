@@ -1,6 +1,6 @@
 """Job configuration end to end: hand-built traces with the tracer's meta lines, analysed, job.yaml written.
 
-The traces are real ring and meta files (tests/analysis_factory.py); the meta lines the tracer writes at
+The traces are real ring and meta files (tests/helpers/analysis_factory.py); the meta lines the tracer writes at
 init (process, env, job_inputs) are appended as it would write them.
 """
 
@@ -10,13 +10,13 @@ import json
 from pathlib import Path
 
 import pytest
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
 
 from megatrace.analyze.engine import LayoutSpec, analyze
 from megatrace.analyze.findings import Kind, Severity
 from megatrace.config import Layout, save_layout
-from megatrace.jobconfig import load_job_yaml
-from megatrace.jobconfig.jobfile import field_values
+from megatrace.analyze.jobconfig import load_job_yaml
+from megatrace.analyze.jobconfig.jobfile import field_values
 from megatrace.trace import ring_format as fmt
 
 TRUTH = Layout(8, 2, 2, 2)  # Megatron's default order: tp [0,1], dp [0,2], pp [0,4]
@@ -172,8 +172,8 @@ def test_another_rank_order_is_recovered_from_the_groups(tmp_path: Path, order: 
 
 
 def test_slurm_environment_gives_nodes_tasks_gpus_and_placement() -> None:
-    from megatrace.jobconfig.model import JobConfig
-    from megatrace.jobconfig.runtime import read_runtime, slurm_tasks_per_node
+    from megatrace.analyze.jobconfig.model import JobConfig
+    from megatrace.analyze.jobconfig.runtime import read_runtime, slurm_tasks_per_node
 
     assert slurm_tasks_per_node("4(x2),2") == [4, 4, 2] and slurm_tasks_per_node("x") == []
     hosts = {r: f"n{r // 4 + 1}" for r in range(8)}

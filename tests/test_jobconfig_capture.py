@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatrace.analyze.engine import analyze
-from megatrace.jobconfig import load_job_yaml
+from megatrace.analyze.jobconfig import load_job_yaml
 from megatrace.trace.ring_reader import read_meta
 
 pytest.importorskip("torch")

@@ -16,9 +16,9 @@ import pytest
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
 from megatrace.config import Layout, load_layout
-from megatrace.jobconfig import load_job_yaml
-from megatrace.jobconfig.build import group_uses
-from megatrace.jobconfig.groups import infer_from_groups
+from megatrace.analyze.jobconfig import load_job_yaml
+from megatrace.analyze.jobconfig.build import group_uses
+from megatrace.analyze.jobconfig.groups import infer_from_groups
 from megatrace.load import load_trace
 
 pytest.importorskip("torch")

@@ -1,6 +1,6 @@
 """The trainer's own configuration: realistic Megatron-LM, DeepSpeed and torchtitan command lines and files.
 
-Flag and key names follow each framework's documentation (see megatrace/jobconfig/frameworks.py).
+Flag and key names follow each framework's documentation (see megatrace/analyze/jobconfig/frameworks.py).
 Config files are real files read by the tracer's capture (``job_inputs``), then parsed.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatrace.jobconfig.checks import check, derive, job_layout
-from megatrace.jobconfig.frameworks import read_trainer
-from megatrace.jobconfig.groups import Inference
-from megatrace.jobconfig.model import JobConfig
+from megatrace.analyze.jobconfig.checks import check, derive, job_layout
+from megatrace.analyze.jobconfig.frameworks import read_trainer
+from megatrace.analyze.jobconfig.groups import Inference
+from megatrace.analyze.jobconfig.model import JobConfig
 from megatrace.trace.environment import MAX_CONFIG_BYTES, job_inputs, referenced_config_files
 
 MEGATRON_GPT = """pretrain_gpt.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from megatrace.config import ORDERS, Layout
-from megatrace.jobconfig.groups import GroupUse, infer_from_groups
+from megatrace.analyze.jobconfig.groups import GroupUse, infer_from_groups
 
 # Records per group member in one step of a Megatron-like job: TP all-reduces every layer of every
 # microbatch, PP exchanges activations (p2p), DP reduces gradients once.

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from megatrace.trace.ring_reader import RingFormatError, read_ring
-from outside import wait_for
-from test_slurm_lab import PYTHON, job_info, submit
+from helpers.outside import wait_for
+from helpers.slurm_lab import PYTHON, job_info, submit
 
 DDP = Path(__file__).with_name("programs") / "ddp_reduce_loop.py"
 RING_BASE = Path("/dev/shm/megatrace")  # the lab's node-local ring base (slurm/megatrace-lib.sh LOCAL_DIR)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from helpers.outside import wait_for
 
 from megatrace.analyze.liveness import FROZEN_NS, assess
 from megatrace.load.probe import ENDING, GONE, RUNNING, STOPPED, process_state
@@ -29,10 +30,7 @@ def test_process_state_of_a_running_a_stopped_and_a_gone_process() -> None:
         created = time.monotonic_ns()
         assert process_state(proc.pid, created) == RUNNING
         os.kill(proc.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5
-        while process_state(proc.pid, created) != STOPPED and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert process_state(proc.pid, created) == STOPPED
+        assert wait_for(lambda: process_state(proc.pid, created) == STOPPED, timeout=5, step=0.02)
         os.kill(proc.pid, signal.SIGCONT)
     finally:
         proc.kill()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from nccl_double.harness import Build, BuildUnavailable, build_all, build_local_scope, run_job
-from planted import planted_step_dir
+from helpers.planted import planted_step_dir
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind

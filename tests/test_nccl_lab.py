@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import lab_unavailable
+from helpers.slurm_lab import lab_unavailable
 from nccl_double.harness import Build, BuildUnavailable, build_all, run_job
 
 from megatrace.analyze.engine import analyze

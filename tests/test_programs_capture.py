@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from comm_counts import reference_counts, reference_disagreement, reference_env, ring_counts
+from helpers.comm_counts import reference_counts, reference_disagreement, reference_env, ring_counts
 
 pytest.importorskip("torch")
 

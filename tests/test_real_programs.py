@@ -20,7 +20,7 @@ import pytest
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
 from megatrace.trace.ring_reader import RingFormatError, read_ring
-from outside import Throttle
+from helpers.outside import Throttle
 
 pytest.importorskip("torch")
 
@@ -179,21 +179,27 @@ def test_a_job_killed_as_a_whole_is_no_hang(sig: int, tmp_path: Path, jobs: list
 def test_a_rank_whose_sigterm_comes_late_goes_with_the_job(tmp_path: Path, jobs: list[Job]) -> None:
     """A cancel that reaches one rank late (a loaded host): the others are ended by SIGTERM, its all-reduce fails as
     they go, it raises and closes its tracer. It went with the job: no crash, no hang (the CI failure of the test
-    above, made certain)."""
+    above, made certain: torchrun is held stopped meanwhile, so that it cannot end rank 3 first)."""
     job = Job(DDP, tmp_path, "--iterations", "100000", "--seconds", "120")
     jobs.append(job)
     job.pid(0, warm_records=200)
-    late = read_ring(job.rings / "rank-00003.ring").header.pid
-    for pid in job.worker_pids():
-        if pid != late:
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not read_ring(job.rings / "rank-00003.ring").header.closed_cleanly:
-        time.sleep(0.1)  # rank 3 fails in its next all-reduce and unwinds
+    ring3 = job.rings / "rank-00003.ring"
+    late = read_ring(ring3).header.pid
+    os.kill(job.proc.pid, signal.SIGSTOP)  # the launcher, delayed
+    try:
+        for pid in job.worker_pids():
+            if pid != late:
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not read_ring(ring3).header.closed_cleanly \
+                and Path(f"/proc/{late}").exists():
+            time.sleep(0.1)  # rank 3 fails in its next all-reduce and unwinds
+    finally:
+        os.kill(job.proc.pid, signal.SIGCONT)
     job.kill_all(signal.SIGTERM)
     job.wait()
     result = analyze(job.rings)
-    assert read_ring(job.rings / "rank-00003.ring").header.closed_cleanly, _diagnosis(result)
+    assert read_ring(ring3).header.closed_cleanly, _diagnosis(result)
     healthy = [f for f in result.findings if f.kind == Kind.HEALTHY]
     assert len(healthy) == 1 and "ended as a whole" in healthy[0].verdict, _diagnosis(result)
     assert "rank 3 closed the tracer after the others were ended" in str(healthy[0].evidence), _diagnosis(result)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
 
 from megatrace.trace.environment import filter_env
 

@@ -15,7 +15,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from analysis_factory import TraceBuilder
+from helpers.analysis_factory import TraceBuilder
 from click.testing import CliRunner
 
 from megatrace.analyze.engine import analyze

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_report_browser import ARTIFACTS, browser, check_page  # noqa: F401  (browser: the fixture)
+from helpers.browser import ARTIFACTS, check_page  # the `browser` fixture: tests/conftest.py
 
 from megatrace.analyze.engine import analyze
 from megatrace.report.render import write_report

@@ -4,8 +4,8 @@ The reference is the full read restricted to its newest K sequence numbers
 (``_trimmed`` below): same records, ``dropped`` counting everything older than
 the window, ``overwritten`` the part the ring itself overwrote, ``partial`` set
 when older records were left unread, and ``lost`` the window's torn or
-corrupted records. Rings are written with the real writers (test_ring's
-deterministic stream); damage is made by editing bytes of the file.
+corrupted records. Rings are written with the real writers (the deterministic
+stream of tests/helpers/ring_stream.py); damage is made by editing bytes of the file.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ring import (FAST, FORK, IDENT, KIND_PARAMS, KINDS, _writer_child, being_written, check_against_gen,
-                       check_contiguous, errors, make_writer, slot_offset, write_gen)
+from helpers.ring_stream import (FAST, FORK, IDENT, KIND_PARAMS, KINDS, being_written, check_against_gen,
+                                 check_contiguous, errors, make_writer, slot_offset, write_gen, writer_child)
 
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_reader import RingFormatError, RingSnapshot, read_ring, read_tails
@@ -264,7 +264,7 @@ def test_read_tails_of_many_files(tmp_path):
 def test_tail_beside_live_writer(tmp_path, kind, capacity):
     last = 40
     ready = FORK.Event()
-    child = FORK.Process(target=_writer_child, args=(str(tmp_path), capacity, kind, ready), daemon=True)
+    child = FORK.Process(target=writer_child, args=(str(tmp_path), capacity, kind, ready), daemon=True)
     child.start()
     path = tmp_path / fmt.ring_name(IDENT.rank)
     try:
@@ -305,7 +305,7 @@ def test_tail_beside_live_writer(tmp_path, kind, capacity):
 def test_tail_after_sigkill_mid_write(kind, delay):
     with tempfile.TemporaryDirectory() as d:
         ready = FORK.Event()
-        child = FORK.Process(target=_writer_child, args=(d, 256, kind, ready), daemon=True)
+        child = FORK.Process(target=writer_child, args=(d, 256, kind, ready), daemon=True)
         child.start()
         try:
             assert ready.wait(10)

@@ -19,50 +19,20 @@ import time
 from pathlib import Path
 
 import pytest
-from outside import wait_for
+from helpers.outside import wait_for
+from helpers.slurm_lab import PYTHON, job_info, sbatch, submit
+from helpers.slurm_lab import clean_env as _clean_env
+from helpers.slurm_lab import run as _run
 
 MEGATRACE = str(Path(sys.executable).parent / "megatrace")
-PYTHON = sys.executable
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}
 TEST_USER = "mtlabuser"
 FAIL_FILE = Path("/etc/megatrace/fail-preflight-n2")
 
 
-def _run(argv: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    """The submitting environment without any MEGATRACE*/SLURM* variable of the test process."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE", "SLURM_", "SPANK_"))}
-    env.update(extra)
-    return env
-
-
-# The `lab` fixture (a session fixture: `megatrace lab up`, or the lab that is up) is in tests/conftest.py.
-
-
-def sbatch(script: str, cwd: Path, *args: str, env: dict[str, str] | None = None,
-           user: str | None = None) -> subprocess.CompletedProcess:
-    path = cwd / "job.sh"
-    path.write_text("#!/bin/bash\n" + script)
-    path.chmod(0o755)
-    argv = ["sbatch", "--parsable", "-o", str(cwd / "out-%j.txt"), *args, str(path)]
-    if user:
-        argv = ["runuser", "-u", user, "--", *argv]
-    return _run(argv, cwd=cwd, env=env or _clean_env())
-
-
-def submit(script: str, cwd: Path, *args: str, **kw) -> str:
-    proc = sbatch(script, cwd, *args, **kw)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
-
-
-def job_info(job_id: str) -> dict[str, str]:
-    out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
-    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+# The `lab` fixture (a session fixture: `megatrace lab up`, or the lab that is up) is in tests/conftest.py;
+# submitting jobs (sbatch, submit, job_info) in tests/helpers/slurm_lab.py.
 
 
 def wait_job(job_id: str, timeout: float = 180) -> dict[str, str]:

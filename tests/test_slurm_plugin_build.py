@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -57,3 +58,22 @@ def test_the_scripts_parse_and_do_nothing_for_untraced_jobs(script, tmp_path):
            "SLURM_JOB_GID": str(os.getgid()), "SLURMD_NODENAME": "nonexistent-node"}
     proc = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+
+
+@pytest.mark.parametrize("script", ["prolog", "epilog", "healthcheck"])
+def test_the_scripts_say_their_error_policy_and_keep_it(script):
+    """No -e nor global pipefail (a prolog or epilog that fails drains the node), and the header says why."""
+    text = (ROOT / "slurm" / script).read_text()
+    header = text[:text.index("\nset ")]
+    assert "Error policy:" in header and "without -e and pipefail" in header
+    assert [line for line in text.splitlines() if line.startswith("set ")] == ["set -u -f"]
+    assert "set -e" not in text and "errexit" not in text
+    assert ". \"$lib\"" in text and "lib=${0%/*}/megatrace-lib.sh" in text  # the root-owned library beside it
+
+
+def test_the_epilog_hands_over_the_exit_record_only_when_read_whole():
+    """head | as_user: with pipefail, and the copy is renamed into place only when both sides succeeded."""
+    text = (ROOT / "slurm" / "epilog").read_text()
+    assert 'handed=$(set -o pipefail; head -c 4000000 -- "$exits" | as_user' in text
+    pipes = re.findall(r"[^|]\|\s*as_user", text)  # a pipe into as_user, not an ||
+    assert len(pipes) == 1, pipes

@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.outside import wait_for
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
-from megatrace.collect.agent import STALLED, SUSPECT, node_state, pid_alive, scan
+from megatrace.collect.agent import pid_alive, scan
+from megatrace.collect.detect import STALLED, SUSPECT, node_state
 from megatrace.load.traceset import TraceLoadError
 from megatrace.trace.init_marker import parse_marker
 
@@ -53,11 +55,8 @@ class Ranks:
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def wait_markers(self, n: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.dir.is_dir() and len(list(self.dir.glob("rank-*.init"))) >= n:
-                return
-            time.sleep(0.2)
+        if wait_for(lambda: self.dir.is_dir() and len(list(self.dir.glob("rank-*.init"))) >= n, timeout, step=0.2):
+            return
         raise AssertionError(f"{n} start markers were not written in {timeout} s: {list(self.dir.glob('*'))}")
 
     def stop(self) -> None:

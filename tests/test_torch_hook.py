@@ -4,61 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers.outside import wait_for
+from helpers.torch_ranks import finish, free_port, groups, launch, records
 
 from megatrace.trace.ring_format import Flag, Op, State
 from megatrace.trace.ring_reader import RingFormatError, read_meta, read_ring
 
 torch = pytest.importorskip("torch")
-
-SCENARIOS = Path(__file__).with_name("torch_scenarios.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(scenario: str, tmp_path: Path, world: int = 2, **env_extra: str) -> list[subprocess.Popen]:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEGATRACE_ENABLE="1",
-                   MEGATRACE_DIR=str(tmp_path / "rings"), MEGATRACE_JOB_ID="test-job",
-                   SCENARIO_OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        env.update(env_extra)
-        procs.append(subprocess.Popen([sys.executable, str(SCENARIOS), scenario], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[str]:
-    errs = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, f"rank exited {p.returncode}:\n{err[-3000:]}"
-        errs.append(err)
-    return errs
-
-
-def records(tmp_path: Path, rank: int) -> list[dict]:
-    snap = read_ring(tmp_path / "rings" / f"rank-{rank:05d}.ring")
-    assert not [p for p in snap.problems if p.severity == "error"], snap.problems
-    return snap.to_dicts()
-
-
-def groups(tmp_path: Path, rank: int) -> dict[int, dict]:
-    entries, problems = read_meta(tmp_path / "rings" / f"rank-{rank:05d}.meta.jsonl")
-    assert not problems
-    return {e["gid"]: e for e in entries if e["kind"] == "group"}
 
 
 def test_every_traced_call_leaves_one_record_with_its_fields(tmp_path: Path) -> None:
@@ -106,16 +64,16 @@ def test_every_traced_call_leaves_one_record_with_its_fields(tmp_path: Path) -> 
 def test_reader_sees_the_wedged_call_as_entered_while_it_blocks(tmp_path: Path) -> None:
     procs = launch("wedged_peer", tmp_path)
     ring = tmp_path / "rings" / "rank-00000.ring"
-    deadline = time.monotonic() + 60
-    seen_entered = False
-    while time.monotonic() < deadline and not seen_entered:
+
+    def entered() -> bool:
         try:
             recs = read_ring(ring).to_dicts()
-            seen_entered = len(recs) >= 2 and recs[-1]["state"] == State.ENQUEUED
         except (OSError, RingFormatError):  # a ring not there yet, or being created, reads as no ring yet
-            pass
-        time.sleep(0.05)
-    time.sleep(0.3)
+            return False
+        return len(recs) >= 2 and recs[-1]["state"] == State.ENQUEUED
+
+    seen_entered = wait_for(entered, timeout=60, step=0.05)
+    time.sleep(0.3)  # a while longer: the record must hold the wait (checked below)
     assert read_ring(ring).to_dicts()[-1]["state"] == State.ENQUEUED  # still blocked: rank 1 is late
     (tmp_path / "go").touch()
     finish(procs)
@@ -183,7 +141,7 @@ def test_megatrace_run_traces_an_unchanged_script(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("import torch, torch.distributed as dist\n"
                       "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:%d')\n"
-                      "dist.all_reduce(torch.ones(3))\n" % _free_port())
+                      "dist.all_reduce(torch.ones(3))\n" % free_port())
     megatrace = Path(sys.executable).with_name("megatrace")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRACE")}
     result = subprocess.run([str(megatrace), "run", "--dir", str(tmp_path / "rings"), "--",

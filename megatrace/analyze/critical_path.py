@@ -22,6 +22,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.depgraph import GraphError, IterationGraph, NodeKind, build_graphs, validate
 from megatrace.analyze.findings import Finding, Severity, Subject
 from megatrace.analyze.iterations import Iterations, iterations_of, perf_kind
@@ -368,7 +369,7 @@ def _slowdown_finding(trace: TraceSet, cp: CriticalPathResult) -> Finding:
                          "ratio": round(s.ratio, 3), "growth_ns": s.growth_ns, "explained": round(s.explained, 3)})
 
 
-def critical_path_stage(ctx) -> list[Finding]:  # ctx: megatrace.analyze.engine.AnalysisContext
+def critical_path_stage(ctx: AnalysisContext) -> list[Finding]:
     """Engine stage: critical paths into ``ctx.results["critical_path"]``, and their findings."""
     it = iterations_of(ctx)
     cp = analyze_critical_path(ctx.trace, it, ctx.clock.t_enqueue, ctx.clock.t_complete)

@@ -30,6 +30,7 @@ import numpy as np
 from megatrace.analyze.iterations import Iterations
 from megatrace.analyze.segments import RankSegments, SegmentError
 from megatrace.config import Layout
+from megatrace.errors import MegatraceError
 from megatrace.schedule import Action
 
 
@@ -37,7 +38,7 @@ MAX_REPLICAS = 4  # DP replicas modelled per step beyond this many: those last a
 NODE_BUDGET = 200_000  # graph nodes over all modelled steps: bounds time and memory at 16k ranks
 
 
-class GraphError(ValueError):
+class GraphError(MegatraceError, ValueError):
     """The graph of an iteration is not a valid DAG from start to end; the message says why."""
 
 

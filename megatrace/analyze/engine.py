@@ -18,16 +18,18 @@ seconds at 16,384 ranks, without the analyzers that need whole iterations.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatrace.analyze import explain
 from megatrace.analyze.clock import ClockAlignment, align_clocks
+from megatrace.analyze.context import AnalysisContext, Stage
 from megatrace.analyze.findings import Finding, Kind, Severity, findings_document, order_findings, write_findings_json
 from megatrace.analyze.hang import TAIL, HangAnalysis, analyze_hangs
 from megatrace.analyze.index import index_records
+from megatrace.analyze.jobconfig import build_job_config, config_findings, job_facts, job_layout, write_job_yaml
 from megatrace.analyze.match import MatchResult, match
 from megatrace.analyze.tails import widen_tails
 from megatrace.config import Layout, LayoutError
@@ -58,18 +60,6 @@ class LayoutSpec:
         return Layout(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp).validate("--tp/--pp/--dp")
 
 
-@dataclass
-class AnalysisContext:
-    """What every stage sees: the trace and the results of the stages before it."""
-
-    trace: TraceSet
-    clock: ClockAlignment
-    match: MatchResult
-    findings: list[Finding] = field(default_factory=list)
-    results: dict[str, Any] = field(default_factory=dict)
-
-
-Stage = Callable[[AnalysisContext], list[Finding]]
 
 
 def _hang_stage(ctx: AnalysisContext) -> list[Finding]:
@@ -146,8 +136,6 @@ class AnalysisResult:
                 "problems": [str(p) for p in t.problems], **self._job_summary()}
 
     def _job_summary(self) -> dict[str, Any]:
-        from megatrace.jobconfig import job_facts
-
         job = self.results.get("job")
         return {} if job is None else {"job": job_facts(job)}
 
@@ -194,11 +182,9 @@ def _one_job_log(path: Path, format: str) -> bool:  # noqa: A002 - load_trace's 
 
 def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None, given: bool,
                 out_dir: Path | None = None) -> Any:
-    """Build the job configuration (megatrace.jobconfig), write ``job.yaml`` into ``out_dir`` (default:
+    """Build the job configuration (megatrace.analyze.jobconfig), write ``job.yaml`` into ``out_dir`` (default:
     :func:`output_dir`), and give the trace its layout when none was given. Never fails the analysis: a
     problem becomes a LoadProblem."""
-    from megatrace.jobconfig import build_job_config, job_layout, write_job_yaml
-
     explicit = None
     if trace.layout is not None:
         where = ("--tp/--pp/--dp" if from_spec else f"--layout {layout_file}" if layout_file is not None
@@ -223,6 +209,34 @@ def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None
         trace.problems.append(LoadProblem("warning", "job-config", f"cannot write {target}: {exc.strerror}",
                                           paths=(str(target),)))
     return job
+
+
+def _apply_layout_spec(trace: TraceSet, spec: LayoutSpec) -> None:
+    """Give the trace the layout of the command line's sizes; a problem, and no layout, when they do not fit."""
+    try:
+        trace.layout = fit_layout(spec.resolve(trace.world_size), trace.world_size, "--tp/--pp/--dp",
+                                  trace.problems)
+    except LayoutError as exc:
+        trace.layout = None
+        trace.problems.append(LoadProblem("error", "layout", f"{exc}; analysing without a layout"))
+
+
+def _stages_to_run(ctx: AnalysisContext, stages: list[tuple[str, Stage]] | None,
+                   quick: bool) -> list[tuple[str, Stage]]:
+    """The stages this analysis runs, in order: all of ``stages`` (default :data:`STAGES`), or only those of
+    :data:`HANG_MODE_STAGES` (and the stragglers for a log of arrivals) in hang mode or when the trace's
+    completion times are guessed; ``ctx.results["skipped_stages"]`` names the others."""
+    trace = ctx.trace
+    run = stages if stages is not None else STAGES
+    keep = None
+    if quick or trace.completion_times in ("inferred", "order"):  # (guessed completions would invent stragglers)
+        keep = HANG_MODE_STAGES
+    elif trace.completion_times == "arrivals":  # compute between calls is known, transfer times are not
+        keep = HANG_MODE_STAGES | {"stragglers"}
+    if keep is not None:
+        ctx.results["skipped_stages"] = [name for name, _ in run if name not in keep]
+        run = [(name, stage) for name, stage in run if name in keep]
+    return run
 
 
 def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | None = None,
@@ -261,12 +275,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
 
             merge_job_logs(trace, logs)
     if spec is not None:
-        try:
-            trace.layout = fit_layout(spec.resolve(trace.world_size), trace.world_size, "--tp/--pp/--dp",
-                                      trace.problems)
-        except LayoutError as exc:
-            trace.layout = None
-            trace.problems.append(LoadProblem("error", "layout", f"{exc}; analysing without a layout"))
+        _apply_layout_spec(trace, spec)
     job = _job_config(trace, spec is not None, layout if isinstance(layout, (str, Path)) else None,
                       isinstance(layout, Layout), Path(out_dir) if out_dir is not None else None)
     timings["load"] = time.perf_counter() - t0
@@ -286,20 +295,9 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     ctx = AnalysisContext(trace, clock, matched)
     ctx.results["mode"] = mode
     if job is not None:
-        from megatrace.jobconfig import config_findings
-
         ctx.results["job"] = job
         ctx.findings.extend(config_findings(job))
-    run = stages if stages is not None else STAGES
-    keep = None
-    if quick or trace.completion_times in ("inferred", "order"):  # (guessed completions would invent stragglers)
-        keep = HANG_MODE_STAGES
-    elif trace.completion_times == "arrivals":  # compute between calls is known, transfer times are not
-        keep = HANG_MODE_STAGES | {"stragglers"}
-    if keep is not None:
-        ctx.results["skipped_stages"] = [name for name, _ in run if name not in keep]
-        run = [(name, stage) for name, stage in run if name in keep]
-    for name, stage in run:
+    for name, stage in _stages_to_run(ctx, stages, quick):
         t = time.perf_counter()
         ctx.findings.extend(stage(ctx))
         timings[name] = time.perf_counter() - t

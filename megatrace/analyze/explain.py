@@ -10,8 +10,8 @@ import numpy as np
 
 from megatrace.analyze.clock import ClockAlignment
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject
-from megatrace.analyze.hang import (RUNNING_OUTCOMES, STALL_MIN_NS, STALLED_OUTCOMES, HangAnalysis, RankStatus,
-                                    RootCause, Wait)
+from megatrace.analyze.hang import STALL_MIN_NS, HangAnalysis
+from megatrace.analyze.hang_roots import RUNNING_OUTCOMES, STALLED_OUTCOMES, RankStatus, RootCause, Wait
 from megatrace.analyze.match import MatchResult
 from megatrace.analyze.words import collective_label, duration, rank_label, rank_list, rank_subject, record_label
 from megatrace.load.traceset import TraceSet, plural
@@ -250,29 +250,14 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
             short = root.silence_ns is None or root.silence_ns < STALL_MIN_NS
             verdict = ("possible hang (short stop, maybe in flight when the trace ended): " if short else
                        "possible hang (not confirmed: its usual gap between calls is as long): ") + verdict
-        if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
-            group = trace.groups.get(int(trace.records.group_id[root.first_wait.row])) if root.first_wait else None
-            subject = rank_subject(trace, root.ranks[0], group) if len(root.ranks) == 1 else \
-                Subject(ranks=root.ranks, hosts=tuple(hosts), group=group.to_dict() if group else None)
-            ident = f"{kind.value}:rank-{root.ranks[0]}" if len(root.ranks) == 1 else \
-                f"{kind.value}:ranks-{'-'.join(map(str, root.ranks[:8]))}"
-        elif root.kind == "instance" and root.detail is not None:
-            g = root.detail.group
-            subject = Subject(ranks=tuple(root.detail.members), hosts=tuple(hosts), group=g.to_dict() if g else None)
-            ident = f"{kind.value}:group-{root.detail.gid}-seq-{root.detail.seq}"
-        elif root.kind == "link":
-            subject = Subject(ranks=root.ranks, hosts=tuple(hosts), link=(root.ranks[0], root.ranks[1]))
-            ident = f"{kind.value}:link-{root.ranks[0]}-{root.ranks[1]}"
-        else:
-            subject = Subject(ranks=root.ranks, hosts=tuple(hosts))
-            ident = f"{kind.value}:ranks-{'-'.join(map(str, root.ranks[:8]))}"
+        subject, ident = _root_subject(trace, kind, root, hosts)
         explained.update(root.ranks)
         frozen = root.kind == "rank" and root.ranks[0] in hang.liveness.frozen
         out.append(Finding(
             id=ident, severity=Severity.CRITICAL if root.confirmed else Severity.WARNING, kind=kind,
             subject=subject, verdict=verdict, evidence=evidence,
             remediation=FROZEN_REMEDIATION if frozen else SILENT_IN_LOG_REMEDIATION
-            if kind == Kind.NO_TRACE and trace.imported == "job-log" else REMEDIATION.get(kind, ""),
+            if kind == Kind.NO_TRACE and trace.source_format == "job-log" else REMEDIATION.get(kind, ""),
             confidence=confidence, impact=len(set(root.waiters) | set(root.ranks)),
             data={"chain": root.chain + [_root_sentence(trace, hang, root)], "waiters": list(root.waiters),
                   "stop_ns": root.stop_ns, "silence_ns": root.silence_ns, "usual_gap_ns": root.usual_gap_ns,
@@ -305,6 +290,27 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
                           or f"procs.json: pid {proc.pid}, exit code {proc.exit_code}, signal {proc.signal}"],
                 remediation=REMEDIATION[Kind.CRASHED_PROCESS], confidence=0.95, impact=1))
     return out
+
+
+def _root_subject(trace: TraceSet, kind: Kind, root: RootCause, hosts: list[str]) -> tuple[Subject, str]:
+    """The subject of a root cause's finding, and the finding's id."""
+    if kind in (Kind.COMPUTE_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.NO_TRACE):
+        group = trace.groups.get(int(trace.records.group_id[root.first_wait.row])) if root.first_wait else None
+        subject = rank_subject(trace, root.ranks[0], group) if len(root.ranks) == 1 else \
+            Subject(ranks=root.ranks, hosts=tuple(hosts), group=group.to_dict() if group else None)
+        ident = f"{kind.value}:rank-{root.ranks[0]}" if len(root.ranks) == 1 else \
+            f"{kind.value}:ranks-{'-'.join(map(str, root.ranks[:8]))}"
+    elif root.kind == "instance" and root.detail is not None:
+        g = root.detail.group
+        subject = Subject(ranks=tuple(root.detail.members), hosts=tuple(hosts), group=g.to_dict() if g else None)
+        ident = f"{kind.value}:group-{root.detail.gid}-seq-{root.detail.seq}"
+    elif root.kind == "link":
+        subject = Subject(ranks=root.ranks, hosts=tuple(hosts), link=(root.ranks[0], root.ranks[1]))
+        ident = f"{kind.value}:link-{root.ranks[0]}-{root.ranks[1]}"
+    else:
+        subject = Subject(ranks=root.ranks, hosts=tuple(hosts))
+        ident = f"{kind.value}:ranks-{'-'.join(map(str, root.ranks[:8]))}"
+    return subject, ident
 
 
 def _instance_evidence(trace: TraceSet, hang: HangAnalysis, root: RootCause) -> list[str]:

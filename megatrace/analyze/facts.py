@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.findings import Finding, order_findings
 from megatrace.redact import redact_argv
 from megatrace.trace.environment import filter_env
@@ -32,7 +33,7 @@ from megatrace.trace.environment import filter_env
 HANG_KINDS = ("compute-hang", "comm-hang", "crashed-process", "exited-early", "deadlock", "no-trace", "startup-hang")
 # Finding kinds produced by the rules engine itself; not facts for rules.
 RULE_KINDS = ("rule", "rule-error")
-SEVERITIES = ("critical", "error", "warning", "info")
+from megatrace.names import SEVERITIES  # noqa: E402  (one home: megatrace/names.py)
 MAX_FINDING_ITEMS = 50  # findings listed one by one under findings.items
 
 # Settings every rank of one job should share; env_differs lists those that do not (launcher variables such as
@@ -308,10 +309,10 @@ def read_meta_entries(trace: Any) -> dict[int, list[dict]]:
     return out
 
 
-def facts_from_context(ctx: Any, *, env: Mapping[str, Any] | None = None, batch: Mapping[str, Any] | None = None,
-                       preflight: Mapping[str, Any] | None = None, nvml: Mapping[str, Any] | None = None
-                       ) -> dict[str, Any]:
-    """The facts for an :class:`megatrace.analyze.engine.AnalysisContext`.
+def facts_from_context(ctx: AnalysisContext, *, env: Mapping[str, Any] | None = None,
+                       batch: Mapping[str, Any] | None = None, preflight: Mapping[str, Any] | None = None,
+                       nvml: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The facts for an :class:`megatrace.analyze.context.AnalysisContext`.
 
     Meta entries come from ``ctx.results["meta"]`` or ``ctx.trace.meta`` (rank -> entries) when a
     loader keeps them, else from the meta files beside the rings. ``env``, ``batch``, ``preflight``

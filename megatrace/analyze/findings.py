@@ -70,7 +70,7 @@ class Kind(str, enum.Enum):
     CRITICAL_PATH = "critical-path"  # the step-time breakdown (info)
     RULE = "rule"  # a rule of the rules engine matched
     RULE_ERROR = "rule-error"  # a rule file or a rule could not be used (the other rules still ran)
-    CONFIG = "config"  # the job's configuration is inconsistent or partly unreadable (megatrace.jobconfig)
+    CONFIG = "config"  # the job's configuration is inconsistent or partly unreadable (megatrace.analyze.jobconfig)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatrace.load.traceset import TraceSet
+from megatrace.names import unknown_op_name
 from megatrace.trace.ring_format import Op
 
 SEND, RECV = int(Op.SEND), int(Op.RECV)
@@ -35,7 +36,7 @@ def op_name(op: int) -> str:
     try:
         return Op(op).label
     except ValueError:
-        return f"op{op}"
+        return unknown_op_name(op)
 
 
 def chunks(n: int, size: int = CHUNK) -> Iterator[slice]:

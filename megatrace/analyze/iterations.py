@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.findings import Kind
 from megatrace.analyze.index import CHUNK, RecordIndex
 from megatrace.analyze.segments import (ACT_IN, ACT_OUT, DP, GRAD_IN, GRAD_OUT, MARKER, OTHER, P2P_ROLES, PP_OTHER,
@@ -375,7 +376,7 @@ def _cell_reduce(ufunc: np.ufunc, out: np.ndarray, cell: np.ndarray, values: np.
         ufunc.at(out, cell, values)
 
 
-def iterations_of(ctx) -> Iterations:  # ctx: megatrace.analyze.engine.AnalysisContext (not imported: cycle)
+def iterations_of(ctx: AnalysisContext) -> Iterations:
     """The context's iterations, inferred once and shared by the critical-path and straggler stages."""
     it = ctx.results.get("iterations")
     if it is None:

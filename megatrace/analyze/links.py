@@ -23,6 +23,7 @@ from megatrace.analyze.iterations import Iterations, perf_kind
 from megatrace.analyze.match import Collectives
 from megatrace.analyze.words import duration, rank_label, rank_subject
 from megatrace.load.traceset import TraceSet
+from megatrace.names import unknown_op_name
 from megatrace.trace.ring_format import Op, State
 
 # A slow link's median transfer time exceeds that of the same kind of transfer elsewhere by at least ...
@@ -120,7 +121,7 @@ def collective_pairs(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Itera
         if g is None or n < MIN_LINK_TRANSFERS:
             continue
         op = k % 65536
-        label = Op(op).label if op in Op._value2member_map_ else f"op{op}"
+        label = Op(op).label if op in Op._value2member_map_ else unknown_op_name(op)
         items.append((g, f"{g.kind} {label}", m, n))
     ref = _references([kd for _, kd, _, _ in items], np.array([m for *_, m, _ in items], np.int64),
                       [[i] for i in range(len(items))])

@@ -94,7 +94,8 @@ def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dic
         if seen:
             out.seen_ns[info.rank] = seen
     states = probe.states if probe is not None else {}
-    probe_ns = probe.mono_ns + host_offset_ns[probe.host] if probe is not None and probe.host in host_offset_ns else None
+    probe_ns = (probe.mono_ns + host_offset_ns[probe.host] if probe is not None and probe.host in host_offset_ns
+                else None)
     out.alive = any(s in (RUNNING, STOPPED) for s in states.values()) \
         or any(not i.closed_cleanly and i.rank not in states and (i.rank in beats or i.rank in pulses) for i in infos)
     candidates = list(out.seen_ns.values()) + ([probe_ns] if probe_ns is not None and out.alive else [])
@@ -127,32 +128,39 @@ def assess(infos: list[RankInfo], rank_offset_ns: list[int], host_offset_ns: dic
             out.frozen[rank] = (f"its tracer's heartbeat stopped {_duration(now - beat)} before the trace was read "
                                 "while the other ranks' went on: its process stopped running (stopped or killed)")
     if gone:
-        seen = {r: out.seen_ns.get(r, now) for r in gone}
-        ended = {r: signals[r] for r in gone if r in signals}  # ended from outside, at these times
-        first_signal = min(ended.values(), default=None)
-        # A rank that closed its tracer after the first SIGTERM reached the job left because the others were
-        # being ended (its collective failed, it unwound): it went with the job, it did not outlive a crash.
-        followers = {r for r, i in by_rank.items() if i.closed_cleanly and first_signal is not None
-                     and out.seen_ns.get(r, 0) >= first_signal}
-        survivors = [r for r, i in by_rank.items()
-                     if (i.closed_cleanly and r not in followers) or states.get(r) in (RUNNING, STOPPED)]
-        everyone = not survivors and len(gone) + len(followers) == len(by_rank)
-        out.followers = sorted(followers) if everyone else []
-        died = [r for r in gone if r not in ended and r in pulses and (first_signal is None or seen[r] < first_signal)]
-        if first_signal is not None and (died or everyone):
-            out.ended_together = everyone and not died  # a time limit or a cancel: every process ended from outside
-            crashed = _first_gone(died, seen, DEATH_TIE_PULSE_NS)
-        elif everyone and max(seen.values()) - min(seen.values()) <= FROZEN_NS:
-            out.ended_together, crashed = True, []
-        else:  # (a process with a signal mark was ended from outside: never a crash)
-            unmarked = [r for r in gone if r not in ended]
-            crashed = _first_gone(unmarked, seen, DEATH_TIE_PULSE_NS if all(r in pulses for r in unmarked)
-                                  else DEATH_TIE_NS)
-        for r in crashed:
-            after = sorted(r2 for r2 in ended if ended[r2] >= seen[r] and r2 not in crashed)
-            out.crashed[r] = (f"its process (pid {by_rank[r].pid}) is gone and its ring was never closed "
-                              "(killed, or died without unwinding)"
-                              + (f", while ranks {sorted(survivors)[:8]} outlived it" if survivors else "")
-                              + (f"; ranks {after[:8]} were ended by SIGTERM after it (the launcher ending the "
-                                 "rest of the job)" if after else ""))
+        _judge_gone(out, gone, now, signals, pulses, states, by_rank)
     return out
+
+
+def _judge_gone(out: Liveness, gone: list[int], now: int, signals: dict[int, int], pulses: dict[int, int],
+                states: dict[int, str], by_rank: dict[int, RankInfo]) -> None:
+    """Of the processes ``gone``, those that crashed, or else whether the job was ended as a whole (fills
+    ``out.crashed``, ``out.ended_together`` and ``out.followers``; see :func:`assess`)."""
+    seen = {r: out.seen_ns.get(r, now) for r in gone}
+    ended = {r: signals[r] for r in gone if r in signals}  # ended from outside, at these times
+    first_signal = min(ended.values(), default=None)
+    # A rank that closed its tracer after the first SIGTERM reached the job left because the others were
+    # being ended (its collective failed, it unwound): it went with the job, it did not outlive a crash.
+    followers = {r for r, i in by_rank.items() if i.closed_cleanly and first_signal is not None
+                 and out.seen_ns.get(r, 0) >= first_signal}
+    survivors = [r for r, i in by_rank.items()
+                 if (i.closed_cleanly and r not in followers) or states.get(r) in (RUNNING, STOPPED)]
+    everyone = not survivors and len(gone) + len(followers) == len(by_rank)
+    out.followers = sorted(followers) if everyone else []
+    died = [r for r in gone if r not in ended and r in pulses and (first_signal is None or seen[r] < first_signal)]
+    if first_signal is not None and (died or everyone):
+        out.ended_together = everyone and not died  # a time limit or a cancel: every process ended from outside
+        crashed = _first_gone(died, seen, DEATH_TIE_PULSE_NS)
+    elif everyone and max(seen.values()) - min(seen.values()) <= FROZEN_NS:
+        out.ended_together, crashed = True, []
+    else:  # (a process with a signal mark was ended from outside: never a crash)
+        unmarked = [r for r in gone if r not in ended]
+        crashed = _first_gone(unmarked, seen, DEATH_TIE_PULSE_NS if all(r in pulses for r in unmarked)
+                              else DEATH_TIE_NS)
+    for r in crashed:
+        after = sorted(r2 for r2 in ended if ended[r2] >= seen[r] and r2 not in crashed)
+        out.crashed[r] = (f"its process (pid {by_rank[r].pid}) is gone and its ring was never closed "
+                          "(killed, or died without unwinding)"
+                          + (f", while ranks {sorted(survivors)[:8]} outlived it" if survivors else "")
+                          + (f"; ranks {after[:8]} were ended by SIGTERM after it (the launcher ending the "
+                             "rest of the job)" if after else ""))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.facts import build_facts, facts_from_context
 from megatrace.analyze.findings import Finding
 from megatrace.analyze.rules_eval import MISSING, RuleResult, evaluate_rule, lookup, problem_finding, render_value
@@ -184,7 +185,7 @@ def make_rules_stage(*, site_dir: PathLike | Sequence[PathLike] | None = None, p
 
     It leaves the :class:`RuleReport` in ``ctx.results["rules"]`` and the facts in ``ctx.results["facts"]``.
     """
-    def stage(ctx: Any) -> list[Finding]:
+    def stage(ctx: AnalysisContext) -> list[Finding]:
         problems: list[RuleProblem] = []
         try:
             facts = facts_from_context(ctx, env=env, batch=batch)
@@ -201,7 +202,7 @@ def make_rules_stage(*, site_dir: PathLike | Sequence[PathLike] | None = None, p
     return stage
 
 
-def rules_stage(ctx: Any) -> list[Finding]:
+def rules_stage(ctx: AnalysisContext) -> list[Finding]:
     """The rules stage with default options: shipped rules plus ``$MEGATRACE_RULES_DIR``. Run it last."""
     return make_rules_stage()(ctx)
 

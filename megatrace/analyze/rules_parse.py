@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from megatrace.analyze.findings import Severity
+from megatrace.errors import MegatraceError
 
 MAX_FILE_BYTES = 1 << 20  # a rule file larger than 1 MiB is refused (rule files are a few KiB)
 MAX_DEPTH = 16  # nesting of all/any/not; deeper conditions are refused
@@ -63,7 +64,7 @@ class RuleProblem:
         return ": ".join(parts) + f": {self.message}"
 
 
-class RuleSyntaxError(ValueError):
+class RuleSyntaxError(MegatraceError, ValueError):
     """Raised inside the parser; carries the field path that is wrong."""
 
     def __init__(self, field_path: str, message: str) -> None:

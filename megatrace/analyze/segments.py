@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from megatrace.config import Layout
+from megatrace.errors import MegatraceError
 from megatrace.load.traceset import TraceSet
 from megatrace.schedule import ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT, SCHEDULES, Action, exchange_blocks
 from megatrace.trace.ring_format import Op
@@ -56,7 +57,7 @@ def done_local(te: np.ndarray, tc: np.ndarray, rows: np.ndarray) -> Local:
     return Local(np.where(tc[lo:hi] > 0, tc[lo:hi], te[lo:hi]), lo)
 
 
-class SegmentError(ValueError):
+class SegmentError(MegatraceError, ValueError):
     """The records do not follow the expected schedule; the message says where."""
 
 
@@ -122,42 +123,10 @@ def segment_rank(rank: int, stage: int, num_stages: int, actions: list[Action], 
     blocks = exchange_blocks(actions, stage, num_stages)
     n_act = len(actions)
     nst = len(steps)
-    index = {int(k): i for i, k in enumerate(steps)}
     tc = done_local(te, tc, rows)  # completion, or the enqueue where none was recorded
-    # Anchors: p2p records name their block through (role, microbatch); DP records close their step.
-    r_role = role[rows]
-    pos = np.flatnonzero(ANCHOR[r_role] if dp_per_step > 0 else P2P[r_role])
-    seq = group_seq[rows[pos]] - 1
-    is_dp = r_role[pos] == DP
-    block_of = np.full((len(ROLE_NAMES), microbatches), -1, np.int64)
-    for j, blk in enumerate(blocks):
-        for rl, mb in blk:
-            block_of[rl, mb] = j
-    j = np.where(is_dp, n_act + 1, block_of[r_role[pos], seq % microbatches])
-    if (j < 0).any():
-        bad = int(np.flatnonzero(j < 0)[0])
-        raise SegmentError(f"rank {rank}: {ROLE_NAMES[r_role[pos[bad]]]} record #{seq[bad] + 1} does not fit the "
-                           f"schedule of stage {stage}")
-    step = np.where(is_dp, seq // max(dp_per_step, 1), seq // microbatches)
-    anchor_of: dict[tuple[int, int], list[int]] = {}
-    earlier = -1
-    first_step = int(steps[0]) if nst else 0
-    for p, k, jj in zip(pos.tolist(), step.tolist(), j.tolist()):
-        i = index.get(k)
-        if i is not None:
-            anchor_of.setdefault((i, jj), []).append(p)
-        elif k < first_step:
-            earlier = max(earlier, p)
-
-    shape, shape_b = (nst, n_act), (nst, n_act + 1)
-    seg = RankSegments(
-        rank=rank, stage=stage, actions=actions, steps=np.asarray(steps), ok=np.zeros(nst, bool),
-        act_start=np.zeros(shape, np.int64), act_end=np.zeros(shape, np.int64),
-        act_lo=np.zeros(shape, np.int64), act_hi=np.zeros(shape, np.int64), act_run=np.full(shape, -1, np.int64),
-        blk_present=np.zeros(shape_b, bool), blk_first=np.zeros(shape_b, np.int64),
-        blk_ready=np.zeros(shape_b, np.int64), blk_done=np.zeros(shape_b, np.int64),
-        blk_peer=np.full(shape_b, -1, np.int64), prev_end=np.full(nst, -1, np.int64),
-        dp_first=np.zeros(nst, np.int64), dp_done=np.zeros(nst, np.int64))
+    anchor_of, earlier = _anchors(rank, stage, blocks, n_act, rows, role, group_seq, microbatches, dp_per_step,
+                                  steps)
+    seg = _empty_segments(rank, stage, actions, steps)
 
     # Which steps have every expected anchor, with the expected number of records.
     complete = np.zeros(nst, bool)
@@ -167,19 +136,7 @@ def segment_rank(rank: int, stage: int, num_stages: int, actions: list[Action], 
             good = good and len(anchor_of.get((i, n_act + 1), ())) == dp_per_step
         complete[i] = good
 
-    # The slots in order: ("X", i, j) anchors, ("A", i, j) actions, ("D", i) the DP sync; ("GAP",) between
-    # steps that do not follow each other.
-    slots: list[tuple[str, int, int]] = []
-    for i in range(nst):
-        if i and steps[i] != steps[i - 1] + 1:
-            slots.append(("GAP", i, 0))
-        for j in range(n_act + 1):
-            if blocks[j]:
-                slots.append(("X", i, j))
-            if j < n_act:
-                slots.append(("A", i, j))
-        if dp_per_step > 0:
-            slots.append(("D", i, n_act + 1))
+    slots = _slots(steps, blocks, n_act, dp_per_step)
 
     walk = _Walk(seg, rows, role, te, tc, actions, steps)
     if earlier >= 0:  # records of steps before the analysed ones: start after them
@@ -223,6 +180,74 @@ def segment_rank(rank: int, stage: int, num_stages: int, actions: list[Action], 
     if seg.dag_problem is None:
         seg.dag_problem = walk.problem
     return seg
+
+
+def _anchors(rank: int, stage: int, blocks: list[list[tuple[int, int]]], n_act: int, rows: np.ndarray,
+             role: np.ndarray, group_seq: np.ndarray, microbatches: int, dp_per_step: int,
+             steps: np.ndarray) -> tuple[dict[tuple[int, int], list[int]], int]:
+    """The anchors of one rank: per (step index in ``steps``, block), their positions in ``rows``; and the last
+    position of an anchor of a step before ``steps`` (-1 when none). p2p records name their block through (role,
+    microbatch); DP records close their step (block ``n_act + 1``)."""
+    nst = len(steps)
+    index = {int(k): i for i, k in enumerate(steps)}
+    r_role = role[rows]
+    pos = np.flatnonzero(ANCHOR[r_role] if dp_per_step > 0 else P2P[r_role])
+    seq = group_seq[rows[pos]] - 1
+    is_dp = r_role[pos] == DP
+    block_of = np.full((len(ROLE_NAMES), microbatches), -1, np.int64)
+    for j, blk in enumerate(blocks):
+        for rl, mb in blk:
+            block_of[rl, mb] = j
+    j = np.where(is_dp, n_act + 1, block_of[r_role[pos], seq % microbatches])
+    if (j < 0).any():
+        bad = int(np.flatnonzero(j < 0)[0])
+        raise SegmentError(f"rank {rank}: {ROLE_NAMES[r_role[pos[bad]]]} record #{seq[bad] + 1} does not fit the "
+                           f"schedule of stage {stage}")
+    step = np.where(is_dp, seq // max(dp_per_step, 1), seq // microbatches)
+    anchor_of: dict[tuple[int, int], list[int]] = {}
+    earlier = -1
+    first_step = int(steps[0]) if nst else 0
+    for p, k, jj in zip(pos.tolist(), step.tolist(), j.tolist()):
+        i = index.get(k)
+        if i is not None:
+            anchor_of.setdefault((i, jj), []).append(p)
+        elif k < first_step:
+            earlier = max(earlier, p)
+    return anchor_of, earlier
+
+
+def _empty_segments(rank: int, stage: int, actions: list[Action], steps: np.ndarray) -> RankSegments:
+    """A rank's segments with every step unmatched and no times yet."""
+    nst, n_act = len(steps), len(actions)
+    shape, shape_b = (nst, n_act), (nst, n_act + 1)
+    seg = RankSegments(
+        rank=rank, stage=stage, actions=actions, steps=np.asarray(steps), ok=np.zeros(nst, bool),
+        act_start=np.zeros(shape, np.int64), act_end=np.zeros(shape, np.int64),
+        act_lo=np.zeros(shape, np.int64), act_hi=np.zeros(shape, np.int64), act_run=np.full(shape, -1, np.int64),
+        blk_present=np.zeros(shape_b, bool), blk_first=np.zeros(shape_b, np.int64),
+        blk_ready=np.zeros(shape_b, np.int64), blk_done=np.zeros(shape_b, np.int64),
+        blk_peer=np.full(shape_b, -1, np.int64), prev_end=np.full(nst, -1, np.int64),
+        dp_first=np.zeros(nst, np.int64), dp_done=np.zeros(nst, np.int64))
+    return seg
+
+
+def _slots(steps: np.ndarray, blocks: list[list[tuple[int, int]]], n_act: int,
+           dp_per_step: int) -> list[tuple[str, int, int]]:
+    """The slots in order: ("X", i, j) anchors, ("A", i, j) actions, ("D", i) the DP sync; ("GAP",) between
+    steps that do not follow each other."""
+    nst = len(steps)
+    slots: list[tuple[str, int, int]] = []
+    for i in range(nst):
+        if i and steps[i] != steps[i - 1] + 1:
+            slots.append(("GAP", i, 0))
+        for j in range(n_act + 1):
+            if blocks[j]:
+                slots.append(("X", i, j))
+            if j < n_act:
+                slots.append(("A", i, j))
+        if dp_per_step > 0:
+            slots.append(("D", i, n_act + 1))
+    return slots
 
 
 class _Walk:

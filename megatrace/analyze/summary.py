@@ -6,6 +6,7 @@ from pathlib import Path
 
 from megatrace.analyze.engine import AnalysisResult
 from megatrace.analyze.findings import Severity
+from megatrace.analyze.jobconfig import describe
 from megatrace.load.traceset import plural
 
 MAX_OTHER = 10  # other findings listed by the terminal summary (all are in findings.json)
@@ -38,8 +39,6 @@ def render_summary(result: AnalysisResult, shown_path: Path | None = None, out_d
                  f"analysed in {result.timings.get('total', 0.0):.2f} s")
     job = result.results.get("job")
     if job is not None:
-        from megatrace.jobconfig import describe
-
         lines.append(f"job: {describe(job)} (all fields and sources: {(out_dir or where) / 'job.yaml'})")
     others = result.findings[1:]
     shown = [f for f in others if f.severity != Severity.INFO][:MAX_OTHER] or others[:MAX_OTHER]

@@ -1,11 +1,12 @@
 """GPU preflight through NVML (pynvml): read the facts in a child process, then judge them.
 
-Reading and judging are apart. :func:`read_gpus` asks NVML for every fact a
+Reading and judging are apart. :func:`megatrace.check.nvml.read_gpus` asks NVML for every fact a
 check needs and returns plain data (an error string where a call failed); it
 runs in a child process (``python -m megatrace.check.gpu``) under a hard
 timeout, because a wedged driver can block an NVML call forever and a prolog
-must never hang. :func:`judge_gpus` turns the facts into results against
-:class:`GpuThresholds`; it is pure, so every rule is tested without a GPU.
+must never hang. :func:`judge_gpus` turns the facts (a :class:`GpuFacts` per GPU)
+into results against :class:`GpuThresholds`, one small check after another
+(:data:`GPU_CHECKS`); it is pure, so every rule is tested without a GPU.
 
 Under srun each task may check only its own GPUs (``select``: NVML indices or
 UUIDs, as ``CUDA_VISIBLE_DEVICES`` names them); the node's results (driver,
@@ -18,24 +19,21 @@ import dataclasses
 import fnmatch
 import json
 import os
-import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatrace.check.nvml import NVLINK_COUNTERS, read_gpus
 from megatrace.check.results import ProbeResult, Status, Subject
+from megatrace.check.xid import XID_FAIL, bus_key
 
 # nvmlClocksEventReason bits (nvml.h): the ones that mean a GPU runs below its clocks for a hardware or
 # thermal reason. At idle (a prolog) none of them should be set; a GPU stuck in one is a silent straggler.
 CLOCK_EVENTS_FAIL = {0x8: "HW slowdown", 0x40: "HW thermal slowdown", 0x80: "HW power brake"}
 CLOCK_EVENTS_WARN = {0x20: "SW thermal slowdown", 0x4: "SW power cap"}
 NVML_LIBRARY_NOT_FOUND = "NVML Shared Library Not Found"
-# Xid codes (NVIDIA's Xid catalogue) that mean the GPU must not take a job: DBE (48), page retirement or
-# row-remap failure (63/64), NVLink error (74), fallen off the bus (79), contained/uncontained ECC (94/95),
-# GSP errors (119/120). Others are reported as warnings.
-XID_FAIL = {48, 63, 64, 74, 79, 94, 95, 119, 120}
-XID_LINE = re.compile(r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F:.]+)\): (?P<xid>\d+)(?:, (?P<rest>.*))?")
 
 
 @dataclass(frozen=True)
@@ -67,235 +65,208 @@ class GpuThresholds:
         return own
 
 
-def parse_xids(text: str) -> list[dict[str, Any]]:
-    """Xid events in kernel log text: ``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., GPU has fallen off the bus.``"""
-    out = []
-    for m in XID_LINE.finditer(text):
-        out.append({"pci": _bus_key(m["pci"]), "xid": int(m["xid"]), "message": (m["rest"] or "").strip()[:200]})
-    return out
+Err = dict[str, str]  # what NVML could not read: {"error": <NVML's message>}
 
 
-def _bus_key(pci: str) -> str:
-    """The kernel's ``0019:3b:00`` or NVML's ``00000019:3B:00.0`` -> ``0019:3b:00``: PCI domain, bus and device in
-    one notation (a GPU per domain, as on Grace Hopper, shares bus and device numbers with the others)."""
-    parts = pci.strip().lower().split(".")[0].split(":")
-    try:
-        numbers = [int(p, 16) for p in parts]
-    except ValueError:
-        return pci.strip().lower()
-    if len(numbers) == 2:  # bus:device, no domain: domain 0
-        numbers.insert(0, 0)
-    if len(numbers) != 3:
-        return pci.strip().lower()
-    domain, bus, device = numbers
-    return f"{domain:04x}:{bus:02x}:{device:02x}"
+@dataclass(frozen=True)
+class GpuFacts:
+    """What :func:`~megatrace.check.nvml.read_gpus` read of one GPU NVML could open; each reading is its value,
+    ``{"error": ...}`` where NVML could not make it, or None where it is absent."""
+
+    index: int
+    name: str | Err | None = None
+    uuid: str | Err | None = None
+    pci_bus: str | Err | None = None
+    temp: int | Err | None = None  # °C
+    slowdown_temp: int | Err | None = None
+    shutdown_temp: int | Err | None = None
+    clock_events: int | Err | None = None  # nvmlClocksEventReason bits
+    ecc_sbe: int | Err | None = None  # volatile corrected errors
+    ecc_dbe: int | Err | None = None  # volatile uncorrected errors
+    remapped_rows: list[int] | Err | None = None  # (corrected, uncorrected, pending, failure)
+    power_limit: int | Err | None = None  # mW
+    power_default: int | Err | None = None  # mW
+    pcie_gen: int | Err | None = None
+    pcie_gen_max: int | Err | None = None
+    pcie_gen_gpu_max: int | Err | None = None
+    retired_pages: dict[str, Any] | None = None  # {"sbe": n, "dbe": n, "pending": bool} or {"error": ...}
+    pcie_width: int | Err | None = None
+    pcie_width_max: int | Err | None = None
+    persistence: int | Err | None = None
+    mig: list[int] | Err | None = None  # (current, pending)
+    procs: list[dict[str, Any]] | Err | None = None  # {"pid": ..., "bytes": ... or None}
+    nvlinks: list[dict[str, Any]] | Err | None = None  # {"link": ..., "up": ..., error counters}
+    xid_events: list[int] | Err | None = None  # Xid codes NVML reported while the facts were read
+
+    @classmethod
+    def of(cls, g: dict[str, Any]) -> GpuFacts:
+        """The facts of one entry of ``read_gpus()["gpus"]`` (the plain data the child prints)."""
+        return cls(**{f.name: g[f.name] for f in dataclasses.fields(cls) if f.name in g})
+
+    def subject(self, node: str) -> Subject:
+        return Subject(node, self.index, self.uuid if isinstance(self.uuid, str) else None,
+                       self.pci_bus if isinstance(self.pci_bus, str) else None)
 
 
-def read_kernel_xids(timeout_s: float = 5.0) -> list[dict[str, Any]] | dict[str, str]:
-    """Xid lines of the kernel log: ``$MEGATRACE_KERNEL_LOG`` (a file, e.g. /var/log/kern.log) or ``dmesg``
-    (root, as in a prolog); an error dict where it is unreadable."""
-    path = os.environ.get("MEGATRACE_KERNEL_LOG")
-    if path:
-        try:
-            with open(path, errors="replace") as fh:
-                return parse_xids(fh.read(64 << 20))
-        except OSError as exc:
-            return {"error": f"{path}: {exc.strerror}"}
-    try:
-        done = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"error": f"dmesg: {exc}"}
-    if done.returncode:
-        return {"error": f"dmesg: {(done.stderr.strip() or 'failed').splitlines()[-1]}"}
-    return parse_xids(done.stdout)
+Add = Callable[..., None]  # add(probe, status, message, value=None, threshold=None, remediation="")
 
 
-def selected(index: int, uuid: Any, select: list[str] | None) -> bool:
-    """GPU ``index`` is among ``select`` (NVML indices or UUID prefixes; None: every GPU)."""
-    if select is None:
+def _unsupported(add: Add, probe: str, value: Any) -> bool:
+    """A reading NVML could not make: the check is skipped, saying why."""
+    if isinstance(value, dict):
+        add(probe, Status.SKIP, f"{probe}: {value['error']}")
         return True
-    return any(t == str(index) or (isinstance(uuid, str) and t.startswith("GPU-") and uuid.startswith(t))
-               for t in select)
+    return False
 
 
-def read_gpus(select: list[str] | None = None) -> dict[str, Any]:
-    """Every NVML fact the checks need, as plain data; errors become strings, never exceptions.
-
-    Only the GPUs in ``select`` (see :func:`selected`) are read in full; ``count`` is every GPU's. A GPU NVML
-    cannot open (lost, fallen off the bus) is ``{"index": i, "error": ...}``; the others are still read.
-    """
-    try:
-        import pynvml
-    except ImportError:
-        return {"error": "pynvml is not installed (pip install nvidia-ml-py)"}
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        return {"error": str(exc)}
-    try:
-        out: dict[str, Any] = {"driver": _call(pynvml.nvmlSystemGetDriverVersion),
-                               "cuda": _call(pynvml.nvmlSystemGetCudaDriverVersion), "gpus": [],
-                               "xids": read_kernel_xids()}
-        count = _call(pynvml.nvmlDeviceGetCount)
-        if isinstance(count, dict):
-            out["error"] = count["error"]
-            return out
-        out["count"] = count
-        handles, uuids, unopened = [], [], []
-        for i in range(count):
-            h = _call(pynvml.nvmlDeviceGetHandleByIndex, i)
-            if isinstance(h, dict):
-                unopened.append({"index": i, "error": h["error"]})
-                continue
-            uuid = _call(pynvml.nvmlDeviceGetUUID, h)
-            uuids.append(uuid)
-            if selected(i, uuid, select):
-                handles.append((i, h, uuid))
-        # a GPU that cannot be opened has no UUID: it is this task's if selected by index, or if one of the task's
-        # UUIDs names no GPU that could be opened
-        orphan = select is not None and any(t.startswith("GPU-") and not any(
-            isinstance(u, str) and u.startswith(t) for u in uuids) for t in select)
-        events = XidEvents(pynvml, [h for _, h, _ in handles])  # Xids that happen while the facts are read
-        for i, h, uuid in handles:
-            pci = _call(pynvml.nvmlDeviceGetPciInfo_v3, h)
-            out["gpus"].append({
-                "index": i, "name": _call(pynvml.nvmlDeviceGetName, h), "uuid": uuid,
-                "pci_bus": pci if isinstance(pci, dict) else _text(pci.busId),
-                "temp": _call(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU),
-                "slowdown_temp": _call(pynvml.nvmlDeviceGetTemperatureThreshold, h,
-                                       pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
-                "shutdown_temp": _call(pynvml.nvmlDeviceGetTemperatureThreshold, h,
-                                       pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
-                "clock_events": _call(pynvml.nvmlDeviceGetCurrentClocksEventReasons, h),
-                "ecc_sbe": _call(pynvml.nvmlDeviceGetTotalEccErrors, h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-                                 pynvml.NVML_VOLATILE_ECC),
-                "ecc_dbe": _call(pynvml.nvmlDeviceGetTotalEccErrors, h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                 pynvml.NVML_VOLATILE_ECC),
-                "remapped_rows": _call(pynvml.nvmlDeviceGetRemappedRows, h),
-                "power_limit": _call(pynvml.nvmlDeviceGetPowerManagementLimit, h),
-                "power_default": _call(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, h),
-                "pcie_gen": _call(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
-                "pcie_gen_max": _call(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-                "pcie_gen_gpu_max": _call(pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration, h),
-                "retired_pages": read_retired_pages(pynvml, h),
-                "pcie_width": _call(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
-                "pcie_width_max": _call(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
-                "persistence": _call(pynvml.nvmlDeviceGetPersistenceMode, h),
-                "mig": _call(pynvml.nvmlDeviceGetMigMode, h),
-                "procs": _call(lambda d: [{"pid": p.pid, "bytes": p.usedGpuMemory}
-                                          for p in pynvml.nvmlDeviceGetComputeRunningProcesses(d)], h),
-                "nvlinks": read_nvlinks(pynvml, h),
-            })
-        for g, (_, h, _) in zip(out["gpus"], handles):
-            g["xid_events"] = events.drain(h)
-        out["gpus"] = sorted(out["gpus"] + [g for g in unopened if orphan or selected(g["index"], None, select)],
-                             key=lambda g: g["index"])
-        if select is not None:  # the job's GPUs that NVML does not show at all (a lost UUID counts as unopened)
-            out["select"] = select
-            out["missing"] = [t for t in select if not (t.isdigit() and int(t) < count) and not (
-                t.startswith("GPU-") and (orphan or any(isinstance(u, str) and u.startswith(t) for u in uuids)))]
-        return out
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
+def _check_temperature(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    temp, slow, shut = g.temp, g.slowdown_temp, g.shutdown_temp
+    if _unsupported(add, "temperature", temp):
+        return
+    # the slowdown threshold comes first; a GPU that does not report one is held to its shutdown one
+    limit, what = (slow, "slowdown") if isinstance(slow, int) else (shut, "shutdown") if isinstance(shut, int) \
+        else (None, "")
+    if limit is not None and temp >= limit:
+        add("temperature", Status.FAIL, f"{temp} °C at its {what} temperature {limit} °C", temp, limit,
+            "Check the node's cooling and airflow; drain it.")
+    elif limit is not None and temp >= limit - t.temp_margin_c:
+        add("temperature", Status.WARN, f"{temp} °C, within {t.temp_margin_c} °C of {what} at {limit} °C",
+            temp, limit, "Check the node's cooling.")
+    else:
+        add("temperature", Status.OK, f"{temp} °C", temp, limit)
 
 
-NVLINK_COUNTERS = {"replay": 0, "recovery": 1, "crc_flit": 2}  # nvmlNvLinkErrorCounter_t (DL_REPLAY, ...)
+def _check_clocks(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    events = g.clock_events
+    if _unsupported(add, "clocks", events):
+        return
+    bad = [name for bit, name in CLOCK_EVENTS_FAIL.items() if events & bit]
+    soft = [name for bit, name in CLOCK_EVENTS_WARN.items() if events & bit]
+    if bad:
+        add("clocks", Status.FAIL, f"clocks held down: {', '.join(bad)}", hex(events), None,
+            "A GPU in hardware slowdown runs the whole job at its speed: check power and cooling "
+            "(nvidia-smi -q -d PERFORMANCE); drain the node.")
+    elif soft:
+        add("clocks", Status.WARN, f"clocks held down: {', '.join(soft)}", hex(events))
+    else:
+        add("clocks", Status.OK, "no slowdown reason", hex(events))
 
 
-def read_nvlinks(pynvml: Any, h: Any) -> list[dict[str, Any]] | dict[str, str]:
-    """Each NVLink's state and error counters; {"error": ...} when the GPU has none (NVML: not supported)."""
-    links: list[dict[str, Any]] = []
-    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-        state = _call(pynvml.nvmlDeviceGetNvLinkState, h, link)
-        if isinstance(state, dict):
-            if not links:
-                return state
-            break  # past the GPU's last link
-        entry: dict[str, Any] = {"link": link, "up": bool(state)}
-        for name, counter in NVLINK_COUNTERS.items():
-            value = _call(pynvml.nvmlDeviceGetNvLinkErrorCounter, h, link, counter)
-            if isinstance(value, int):
-                entry[name] = value
-        links.append(entry)
-    return links
+def _check_ecc(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    dbe, sbe = g.ecc_dbe, g.ecc_sbe
+    if _unsupported(add, "ecc", dbe):
+        return
+    if dbe >= t.ecc_dbe_fail:
+        add("ecc", Status.FAIL, f"{dbe} uncorrected ECC errors since boot", dbe, t.ecc_dbe_fail,
+            "Uncorrectable memory errors corrupt or kill jobs: drain the node and reset the GPU.")
+    elif isinstance(sbe, int) and sbe >= t.ecc_sbe_warn:
+        add("ecc", Status.WARN, f"{sbe} corrected ECC errors since boot", sbe, t.ecc_sbe_warn)
+    else:
+        add("ecc", Status.OK, "no uncorrected ECC errors", dbe, t.ecc_dbe_fail)
 
 
-class XidEvents:
-    """NVML Xid critical-error events of some GPUs, registered now and drained without waiting.
-
-    NVML delivers only events that happen after registration: this sees an Xid raised while the
-    check runs (where the kernel log cannot be read, the only way to see one at all).
-    """
-
-    MAX_EVENTS = 256
-
-    def __init__(self, pynvml: Any, handles: list[Any]) -> None:
-        self.pynvml, self.error, self.set = pynvml, None, None
-        self.by_gpu: dict[int, list[int]] = {}
-        try:
-            self.set = pynvml.nvmlEventSetCreate()
-            for h in handles:
-                pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self.set)
-        except pynvml.NVMLError as exc:
-            self.error = str(exc)
-        except AttributeError:  # an NVML without events
-            self.error = "NVML has no event API"
-        self._drained = False
-
-    def drain(self, handle: Any) -> list[int] | dict[str, str]:
-        """The Xid codes NVML reported for ``handle`` (oldest first), or {"error": ...}."""
-        import ctypes
-
-        if self.error:
-            return {"error": self.error}
-        if not self._drained:
-            self._drained = True
-            try:
-                for _ in range(self.MAX_EVENTS):
-                    data = self.pynvml.nvmlEventSetWait_v2(self.set, 0)
-                    key = ctypes.cast(data.device, ctypes.c_void_p).value or 0
-                    self.by_gpu.setdefault(key, []).append(int(data.eventData))
-            except self.pynvml.NVMLError:
-                pass  # NVML_ERROR_TIMEOUT: no more events
-            try:
-                self.pynvml.nvmlEventSetFree(self.set)
-            except self.pynvml.NVMLError:
-                pass
-        return self.by_gpu.get(ctypes.cast(handle, ctypes.c_void_p).value or 0, [])
+def _check_remap(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    rows = g.remapped_rows
+    if _unsupported(add, "remap", rows):
+        return
+    _corr, _unc, pending, failure = rows
+    if failure:
+        add("remap", Status.FAIL, "row remapping failed", rows, None,
+            "The GPU ran out of spare rows: replace it.")
+    elif pending:
+        add("remap", Status.WARN, "a row remap is pending a GPU reset", rows, None,
+            "Reset the GPU (nvidia-smi -r) when the node is idle.")
+    else:
+        add("remap", Status.OK, "no pending or failed row remap", rows)
 
 
-RETIRE_CAUSES = {"sbe": 0, "dbe": 1}  # NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS, _DOUBLE_BIT_
+def _check_power(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    limit, default = g.power_limit, g.power_default
+    if _unsupported(add, "power", limit) or not isinstance(default, int):
+        return
+    if limit < default:
+        add("power", Status.WARN, f"power limit {limit // 1000} W below its default {default // 1000} W", limit,
+            default, "Someone capped this GPU (nvidia-smi -pl): restore the default.")
+    else:
+        add("power", Status.OK, f"power limit {limit // 1000} W", limit, default)
 
 
-def read_retired_pages(pynvml: Any, h: Any) -> dict[str, Any]:
-    """Pages retired per cause and whether more wait for a reset; {"error": ...} where NVML has no page
-    retirement (Ampere and later remap rows instead)."""
-    out: dict[str, Any] = {}
-    for name, cause in RETIRE_CAUSES.items():
-        pages = _call(pynvml.nvmlDeviceGetRetiredPages, h, cause)
-        if isinstance(pages, dict):
-            return pages
-        out[name] = len(pages)
-    pending = _call(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
-    out["pending"] = bool(pending) if isinstance(pending, int) else False
-    return out
+def _check_pcie(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    width, width_max = g.pcie_width, g.pcie_width_max
+    if _unsupported(add, "pcie", width) or not isinstance(width_max, int):
+        return
+    if width < width_max:
+        add("pcie", Status.WARN, f"PCIe link x{width} of x{width_max}", width, width_max,
+            "A degraded PCIe link slows every host-device copy: reseat the GPU or check the riser.")
+    else:
+        add("pcie", Status.OK, f"PCIe link x{width}", width, width_max)
 
 
-def _call(fn: Any, *args: Any) -> Any:
-    from pynvml import NVMLError
+def _check_pcie_gen(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    gen, gen_gpu = g.pcie_gen_max, g.pcie_gen_gpu_max  # (the current gen drops at idle: not judged)
+    if not (isinstance(gen, int) and isinstance(gen_gpu, int)):
+        return
+    if gen < gen_gpu:
+        add("pcie_gen", Status.WARN, f"PCIe link limited to Gen{gen}; the GPU does Gen{gen_gpu}", gen, gen_gpu,
+            "The slot, riser or BIOS setting holds the link below the GPU's generation: check them.")
+    else:
+        add("pcie_gen", Status.OK, f"PCIe Gen{gen} link", gen, gen_gpu)
 
-    try:
-        value = fn(*args)
-    except NVMLError as exc:
-        return {"error": str(exc)}
-    return _text(value) if isinstance(value, bytes) else list(value) if isinstance(value, tuple) else value
+
+def _check_retired(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    retired = g.retired_pages
+    if not isinstance(retired, dict) or "error" in retired:
+        return
+    total = retired["sbe"] + retired["dbe"]
+    if total >= t.retired_pages_fail:
+        add("retired", Status.FAIL, f"{total} pages retired ({retired['dbe']} for double-bit errors), near "
+            "the GPU's limit", total, t.retired_pages_fail, "The GPU is running out of memory pages to "
+            "retire: replace it.")
+    elif retired["pending"]:
+        add("retired", Status.WARN, "a page retirement is pending a GPU reset", total, t.retired_pages_fail,
+            "Reset the GPU (nvidia-smi -r) when the node is idle.")
+    else:
+        add("retired", Status.OK, f"{total} pages retired", total, t.retired_pages_fail)
 
 
-def _text(value: Any) -> Any:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+def _check_memory(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    if not _unsupported(add, "memory", g.procs):
+        _judge_memory(g.procs, t, add)
+
+
+def _check_nvlink(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    if g.nvlinks is not None and not _unsupported(add, "nvlink", g.nvlinks):
+        _judge_nvlinks(g.nvlinks, t, add)
+
+
+def _check_mig(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    if isinstance(g.mig, list) and g.mig[0]:
+        add("mig", Status.WARN, "MIG mode is on", g.mig)
+
+
+def _check_persistence(g: GpuFacts, t: GpuThresholds, add: Add) -> None:
+    if g.persistence == 0:
+        add("persistence", Status.WARN, "persistence mode is off (slow first CUDA call, flaky clocks)", 0, 1,
+            "nvidia-smi -pm 1, or run nvidia-persistenced.")
+
+
+# The checks of one GPU, in the order of its results.
+GPU_CHECKS: tuple[Callable[[GpuFacts, GpuThresholds, Add], None], ...] = (
+    _check_temperature, _check_clocks, _check_ecc, _check_remap, _check_power, _check_pcie, _check_pcie_gen,
+    _check_retired, _check_memory, _check_nvlink, _check_mig, _check_persistence)
+
+
+def _judge_one(node: str, g: GpuFacts, t: GpuThresholds) -> list[ProbeResult]:
+    subj = g.subject(node)
+    res: list[ProbeResult] = []
+
+    def add(probe: str, status: Status, message: str, value: Any = None, threshold: Any = None,
+            remediation: str = "") -> None:
+        res.append(ProbeResult(f"gpu.{probe}", status, subj, message, value, threshold, remediation))
+
+    for check in GPU_CHECKS:
+        check(g, t, add)
+    return res
 
 
 def probe_gpus(node: str, expected: int | None, timeout_s: float = 20.0,
@@ -362,21 +333,21 @@ def judge_gpus(facts: dict[str, Any], node: str, expected: int | None,
                                    "The driver lost this GPU: look for XID 79 (fallen off the bus) in the kernel log; "
                                    "reset it (nvidia-smi -r) or reboot the node, and drain it until it passes again."))
             continue
-        out += _judge_one(node, g, thresholds.for_model(g.get("name")))
+        gpu = GpuFacts.of(g)
+        out += _judge_one(node, gpu, thresholds.for_model(gpu.name))
         seen = None  # the GPU's Xids: from the kernel log where readable, and from NVML events
-        if isinstance(xids, list) and isinstance(g.get("pci_bus"), str):
-            seen = [x for x in xids if x["pci"] == _bus_key(g["pci_bus"])]
-        if isinstance(g.get("xid_events"), list):
+        if isinstance(xids, list) and isinstance(gpu.pci_bus, str):
+            seen = [x for x in xids if x["pci"] == bus_key(gpu.pci_bus)]
+        if isinstance(gpu.xid_events, list):
             seen = (seen or []) + [{"xid": code, "message": "an NVML Xid event during the check", "pci": None}
-                                   for code in g["xid_events"]]
+                                   for code in gpu.xid_events]
         if seen is not None:
-            out += _judge_xids(node, g, seen)
+            out += _judge_xids(node, gpu, seen)
     return out
 
 
-def _judge_xids(node: str, g: dict[str, Any], xids: list[dict[str, Any]]) -> list[ProbeResult]:
-    subj = Subject(node, g["index"], g.get("uuid") if isinstance(g.get("uuid"), str) else None,
-                   g.get("pci_bus") if isinstance(g.get("pci_bus"), str) else None)
+def _judge_xids(node: str, g: GpuFacts, xids: list[dict[str, Any]]) -> list[ProbeResult]:
+    subj = g.subject(node)
     if not xids:
         return [ProbeResult("gpu.xid", Status.OK, subj, "no Xid in the kernel log or from NVML")]
     codes = sorted({x["xid"] for x in xids})
@@ -393,114 +364,6 @@ def _judge_xids(node: str, g: dict[str, Any], xids: list[dict[str, Any]]) -> lis
 
 def _cuda(v: Any) -> str:
     return f"{v // 1000}.{v % 1000 // 10}" if isinstance(v, int) else str(v)
-
-
-def _judge_one(node: str, g: dict[str, Any], t: GpuThresholds) -> list[ProbeResult]:
-    subj = Subject(node, g["index"], g.get("uuid") if isinstance(g.get("uuid"), str) else None,
-                   g.get("pci_bus") if isinstance(g.get("pci_bus"), str) else None)
-    res: list[ProbeResult] = []
-
-    def add(probe: str, status: Status, message: str, value: Any = None, threshold: Any = None,
-            remediation: str = "") -> None:
-        res.append(ProbeResult(f"gpu.{probe}", status, subj, message, value, threshold, remediation))
-
-    def unsupported(probe: str, value: Any) -> bool:
-        if isinstance(value, dict):
-            add(probe, Status.SKIP, f"{probe}: {value['error']}")
-            return True
-        return False
-
-    temp, slow, shut = g.get("temp"), g.get("slowdown_temp"), g.get("shutdown_temp")
-    if not unsupported("temperature", temp):
-        # the slowdown threshold comes first; a GPU that does not report one is held to its shutdown one
-        limit, what = (slow, "slowdown") if isinstance(slow, int) else (shut, "shutdown") if isinstance(shut, int) \
-            else (None, "")
-        if limit is not None and temp >= limit:
-            add("temperature", Status.FAIL, f"{temp} °C at its {what} temperature {limit} °C", temp, limit,
-                "Check the node's cooling and airflow; drain it.")
-        elif limit is not None and temp >= limit - t.temp_margin_c:
-            add("temperature", Status.WARN, f"{temp} °C, within {t.temp_margin_c} °C of {what} at {limit} °C",
-                temp, limit, "Check the node's cooling.")
-        else:
-            add("temperature", Status.OK, f"{temp} °C", temp, limit)
-    events = g.get("clock_events")
-    if not unsupported("clocks", events):
-        bad = [name for bit, name in CLOCK_EVENTS_FAIL.items() if events & bit]
-        soft = [name for bit, name in CLOCK_EVENTS_WARN.items() if events & bit]
-        if bad:
-            add("clocks", Status.FAIL, f"clocks held down: {', '.join(bad)}", hex(events), None,
-                "A GPU in hardware slowdown runs the whole job at its speed: check power and cooling "
-                "(nvidia-smi -q -d PERFORMANCE); drain the node.")
-        elif soft:
-            add("clocks", Status.WARN, f"clocks held down: {', '.join(soft)}", hex(events))
-        else:
-            add("clocks", Status.OK, "no slowdown reason", hex(events))
-    dbe, sbe = g.get("ecc_dbe"), g.get("ecc_sbe")
-    if not unsupported("ecc", dbe):
-        if dbe >= t.ecc_dbe_fail:
-            add("ecc", Status.FAIL, f"{dbe} uncorrected ECC errors since boot", dbe, t.ecc_dbe_fail,
-                "Uncorrectable memory errors corrupt or kill jobs: drain the node and reset the GPU.")
-        elif isinstance(sbe, int) and sbe >= t.ecc_sbe_warn:
-            add("ecc", Status.WARN, f"{sbe} corrected ECC errors since boot", sbe, t.ecc_sbe_warn)
-        else:
-            add("ecc", Status.OK, "no uncorrected ECC errors", dbe, t.ecc_dbe_fail)
-    rows = g.get("remapped_rows")
-    if not unsupported("remap", rows):
-        _corr, _unc, pending, failure = rows
-        if failure:
-            add("remap", Status.FAIL, "row remapping failed", rows, None,
-                "The GPU ran out of spare rows: replace it.")
-        elif pending:
-            add("remap", Status.WARN, "a row remap is pending a GPU reset", rows, None,
-                "Reset the GPU (nvidia-smi -r) when the node is idle.")
-        else:
-            add("remap", Status.OK, "no pending or failed row remap", rows)
-    limit, default = g.get("power_limit"), g.get("power_default")
-    if not unsupported("power", limit) and isinstance(default, int):
-        if limit < default:
-            add("power", Status.WARN, f"power limit {limit // 1000} W below its default {default // 1000} W", limit,
-                default, "Someone capped this GPU (nvidia-smi -pl): restore the default.")
-        else:
-            add("power", Status.OK, f"power limit {limit // 1000} W", limit, default)
-    width, width_max = g.get("pcie_width"), g.get("pcie_width_max")
-    if not unsupported("pcie", width) and isinstance(width_max, int):
-        if width < width_max:
-            add("pcie", Status.WARN, f"PCIe link x{width} of x{width_max}", width, width_max,
-                "A degraded PCIe link slows every host-device copy: reseat the GPU or check the riser.")
-        else:
-            add("pcie", Status.OK, f"PCIe link x{width}", width, width_max)
-    gen, gen_gpu = g.get("pcie_gen_max"), g.get("pcie_gen_gpu_max")  # (the current gen drops at idle: not judged)
-    if isinstance(gen, int) and isinstance(gen_gpu, int):
-        if gen < gen_gpu:
-            add("pcie_gen", Status.WARN, f"PCIe link limited to Gen{gen}; the GPU does Gen{gen_gpu}", gen, gen_gpu,
-                "The slot, riser or BIOS setting holds the link below the GPU's generation: check them.")
-        else:
-            add("pcie_gen", Status.OK, f"PCIe Gen{gen} link", gen, gen_gpu)
-    retired = g.get("retired_pages")
-    if isinstance(retired, dict) and "error" not in retired:
-        total = retired["sbe"] + retired["dbe"]
-        if total >= t.retired_pages_fail:
-            add("retired", Status.FAIL, f"{total} pages retired ({retired['dbe']} for double-bit errors), near "
-                "the GPU's limit", total, t.retired_pages_fail, "The GPU is running out of memory pages to "
-                "retire: replace it.")
-        elif retired["pending"]:
-            add("retired", Status.WARN, "a page retirement is pending a GPU reset", total, t.retired_pages_fail,
-                "Reset the GPU (nvidia-smi -r) when the node is idle.")
-        else:
-            add("retired", Status.OK, f"{total} pages retired", total, t.retired_pages_fail)
-    procs = g.get("procs")
-    if not unsupported("memory", procs):
-        _judge_memory(procs, t, add)
-    links = g.get("nvlinks")
-    if links is not None and not unsupported("nvlink", links):
-        _judge_nvlinks(links, t, add)
-    mig = g.get("mig")
-    if isinstance(mig, list) and mig[0]:
-        add("mig", Status.WARN, "MIG mode is on", mig)
-    if g.get("persistence") == 0:
-        add("persistence", Status.WARN, "persistence mode is off (slow first CUDA call, flaky clocks)", 0, 1,
-            "nvidia-smi -pm 1, or run nvidia-persistenced.")
-    return res
 
 
 def _judge_memory(procs: list[dict[str, Any]], t: GpuThresholds, add: Any) -> None:

@@ -15,7 +15,6 @@ running, and the results found until then are still printed and written.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from megatrace.check.gpu import probe_gpus
 from megatrace.check.host import judge_allocation, judge_host, read_host, read_net_delay
 from megatrace.check.results import ProbeResult, Status, Subject, worst
 from megatrace.check.thresholds import Thresholds
+from megatrace.names import node_name
 
 EXIT = {Status.OK: 0, Status.SKIP: 0, Status.WARN: 3, Status.FAIL: 4}  # 1: could not run, 2: bad usage
 LEVELS = ("quick", "full")
@@ -100,10 +100,6 @@ class Progress:
                            threshold=timeout_s, remediation="Find what blocks it (a wedged GPU driver, a hung file "
                            "system, a dead or unreachable node); drain the node until it is fixed.")
         return CheckReport(self.nodes or [self.node], [*self.results, hung], elapsed_s=time.perf_counter() - t0)
-
-
-def node_name(given: str | None = None) -> str:
-    return given or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def expected_gpus(given: int | None, node_visible: list[list[str] | None] | None = None) -> int | None:

@@ -32,11 +32,12 @@ from megatrace.check.gpu import GpuThresholds
 from megatrace.check.host import HostThresholds
 from megatrace.check.network import NetThresholds
 from megatrace.config import read_yaml
+from megatrace.errors import MegatraceError
 
 CALIBRATION_SHARE = 0.8  # a calibrated floor: this share of what the healthy allocation measured
 
 
-class ThresholdsError(ValueError):
+class ThresholdsError(MegatraceError, ValueError):
     """A thresholds file that cannot be used; the message names the file and the field."""
 
 

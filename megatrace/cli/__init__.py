@@ -1,6 +1,6 @@
 """Command-line entry points: ``megatrace`` (a click group) and ``megatrace-check``.
 
-One module per concern: :mod:`.settings` (the context settings and :class:`MegatraceError`, the base of every
+One module per concern: :mod:`.settings` (the context settings and :class:`CommandError`, the base of every
 error a command shows), :mod:`.sections` (the sections of ``megatrace --help``), :mod:`.run` (run, demo),
 :mod:`.analyze` (analyze, export, report), :mod:`.simulate`, :mod:`.collect` (collect, agent, job-end),
 :mod:`.fleet` (health, nodes), :mod:`.lab` and :mod:`.check` (``megatrace-check``).
@@ -18,7 +18,7 @@ from megatrace.cli import analyze, collect, fleet, lab, run, simulate
 from megatrace.cli.analyze import TRACE_FORMATS
 from megatrace.cli.check import check_main
 from megatrace.cli.sections import SectionedGroup
-from megatrace.cli.settings import CONTEXT_SETTINGS, MegatraceError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
 
 
 @click.group(cls=SectionedGroup, context_settings=CONTEXT_SETTINGS, epilog="""\b
@@ -40,4 +40,4 @@ for _command in (run.run, run.demo, analyze.analyze, analyze.export, analyze.rep
                  collect.collect, collect.agent, collect.job_end, fleet.health, fleet.nodes, lab.lab):
     main.add_command(_command)
 
-__all__ = ["CONTEXT_SETTINGS", "TRACE_FORMATS", "MegatraceError", "check_main", "main"]
+__all__ = ["CONTEXT_SETTINGS", "TRACE_FORMATS", "CommandError", "check_main", "main"]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from megatrace.cli.settings import CONTEXT_SETTINGS, MegatraceError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
+from megatrace.names import SEVERITIES, job_dir_name
 
 # = megatrace.load.importers.FORMATS (not imported: the importers load numpy)
 TRACE_FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector", "kineto", "nccl-ras", "job-log")
@@ -59,7 +60,7 @@ Exit status:
                    "rings, TRACE_DIR-megatrace beside it for imported formats].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Where to write the findings [default: OUT/findings.json].")
-@click.option("--fail-on", type=click.Choice(["critical", "error", "warning", "info"]), default=None,
+@click.option("--fail-on", type=click.Choice(SEVERITIES), default=None,
               help="Exit with status 3 when a finding of this severity or worse exists.")
 @click.option("--quick", is_flag=True,
               help="Hang localisation only: read just the newest records of each rank (further back only "
@@ -106,12 +107,12 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
         result = run_analysis(trace_dir, layout=layout, mode="hang" if quick else "full", format=trace_format,
                               out_dir=out_dir, job_logs=logs)
     except (TraceLoadError, LayoutError) as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     out = Path(out_dir) if out_dir is not None else output_dir(result.trace)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise MegatraceError(f"cannot create the output directory {out}: {exc.strerror}; give one with "
+        raise CommandError(f"cannot create the output directory {out}: {exc.strerror}; give one with "
                              f"-o/--out DIR") from None
     if quick:
         skipped = result.results.get("skipped_stages") or []
@@ -127,7 +128,7 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
     try:
         click.echo(f"findings: {result.write_json(target)}", err=True)
     except OSError as exc:
-        raise MegatraceError(f"cannot write {target}: {exc.strerror}") from None
+        raise CommandError(f"cannot write {target}: {exc.strerror}") from None
     if not no_report:
         click.echo(f"report: {_write_report(target)[0]}", err=True)
     if fail_on and result.at_least(Severity.parse(fail_on)):
@@ -141,10 +142,10 @@ def _job_output_files(job_id: str, given_dir: bool) -> list[Path]:
     try:
         found = job_output(job_id)
     except JobLookupError as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     click.echo(f"job {job_id}: its output: {', '.join(map(str, found.files))} (from {found.source})"
                + "".join(f"; not read: {u}" for u in found.unreadable), err=True)
-    rings = Path(found.work_dir or "/nonexistent") / f"megatrace-{job_id}"
+    rings = Path(found.work_dir or "/nonexistent") / job_dir_name(job_id)
     if not given_dir and any(rings.glob("step-*/rings/rank-*.ring")):
         click.echo(f"job {job_id} was traced: its rings are in {rings} (megatrace analyze {rings}/step-N --job "
                    f"{job_id} reads both)", err=True)
@@ -187,16 +188,17 @@ def export(trace_dir: str, perfetto: bool, out: str, trace_format: str) -> None:
     """
     from megatrace.load import TraceLoadError
     from megatrace.config import LayoutError
-    from megatrace.report.perfetto import ExportError, export_trace
+    from megatrace.pipeline import export_trace
+    from megatrace.report.perfetto import ExportError
 
     if not perfetto:
         raise click.UsageError("choose what to export: --perfetto")
     try:
         stats = export_trace(trace_dir, out, format=trace_format)
     except (TraceLoadError, LayoutError, ExportError) as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     except OSError as exc:
-        raise MegatraceError(f"{trace_dir}: {exc.strerror or exc}") from None
+        raise CommandError(f"{trace_dir}: {exc.strerror or exc}") from None
     size = f", {stats.bytes / 1e6:.1f} MB" if stats.bytes else ""
     click.echo(f"trace: {out} ({stats.records} records of {stats.ranks} ranks on {stats.lanes} lanes, "
                f"{stats.incomplete} never completed, {stats.flows} flows{size}; {stats.seconds:.1f} s)", err=True)
@@ -229,13 +231,13 @@ def report(findings_json: str, out: str | None, trace: bool) -> None:
 def _write_report(findings_json: str | Path, out: str | Path | None = None,
                   trace: bool = True) -> tuple[Path, Path | None]:
     """Render ``findings_json`` into ``out`` (default: ``report.html`` beside it) and ``trace.json``;
-    a :class:`MegatraceError` on any problem (unreadable input, unwritable output)."""
+    a :class:`CommandError` on any problem (unreadable input, unwritable output)."""
     from megatrace.report.render import ReportError, write_report
 
     try:
         return write_report(findings_json, out, trace=trace)
     except ReportError as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     except OSError as exc:
         target = out or Path(findings_json).with_name("report.html")
-        raise MegatraceError(f"cannot write the report {target}: {exc.strerror or exc}") from None
+        raise CommandError(f"cannot write the report {target}: {exc.strerror or exc}") from None

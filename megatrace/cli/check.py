@@ -8,7 +8,7 @@ import click
 
 from megatrace import __version__
 from megatrace.check.probes import PROBES, listing, unknown
-from megatrace.cli.settings import CONTEXT_SETTINGS, MegatraceError, PrefixedError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError, PrefixedError
 
 PROG = "megatrace-check"
 WATCHDOG_GRACE_S = 5.0  # under MPI, a task other than 0 whose watchdog fired waits this long before it exits
@@ -73,7 +73,8 @@ the drain reason (e.g. "megatrace: GPU1 XID 79 ...").
               envvar="MEGATRACE_CHECK_TIMEOUT",
               help="Seconds before a hung check counts as a failure and the command exits 4 "
                    "[env MEGATRACE_CHECK_TIMEOUT].")
-@click.option("--node", default=None, help="The node's name in the results [default: SLURMD_NODENAME or hostname].")
+@click.option("--node", default=None,
+              help="The node's name in the results [default: MEGATRACE_NODE_NAME, SLURMD_NODENAME or hostname].")
 @click.option("--net-backend", type=click.Choice(["auto", "mpi", "torch"]), default="auto", show_default=True,
               help="The all-reduce's path. auto: NCCL through torch.distributed where every task has a GPU, else "
                    "MPI; torch: torch.distributed (NCCL on GPUs, gloo without); mpi: MPI only.")
@@ -98,13 +99,14 @@ def check_main(level: str, only: tuple[str, ...], expect_gpus: int | None, job_d
     """
     import time
 
-    from megatrace.check.runner import CheckOptions, Progress, Watchdog, node_name, run
+    from megatrace.check.runner import CheckOptions, Progress, Watchdog, run
+    from megatrace.names import node_name
     from megatrace.check.thresholds import ThresholdsError, load_thresholds
 
     try:
         limits = load_thresholds(thresholds_path)
     except ThresholdsError as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     opts = CheckOptions(level=level, only=only, expect_gpus=expect_gpus, job_dir=job_dir, ring_dir=ring_dir,
                         timeout_s=timeout_s, node=node, net_backend=net_backend, thresholds=limits)
     outputs = {"json": json_path, "prom": prom_textfile, "reason": reason_file}

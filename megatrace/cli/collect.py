@@ -11,9 +11,8 @@ import os
 
 import click
 
-from megatrace.cli.settings import CONTEXT_SETTINGS, MegatraceError
-
-TRIGGERS = ("hang", "end", "timelimit", "failure", "manual")  # = collect.bundle.TRIGGERS
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
+from megatrace.names import TRIGGERS
 
 
 def _expected(nodes: str | None) -> list[str] | None:
@@ -92,7 +91,7 @@ def collect(job_dir: str, job_id: str | None, ring_dir: str | None, node: str | 
     from megatrace.pipeline import analyze_bundle
 
     if not os.path.isdir(job_dir):
-        raise MegatraceError(f"job directory {job_dir} does not exist")
+        raise CommandError(f"job directory {job_dir} does not exist")
     opts = CollectOptions(job_dir=job_dir, job_id=job_id, ring_dir=ring_dir, out=out, node=node, trigger=trigger,
                           detail=detail, analysis=analysis, report=report, stacks=stacks, system=system,
                           timeout=timeout, group_size=group_size, expected_nodes=_expected(nodes), layout=layout_file,
@@ -109,7 +108,7 @@ def collect(job_dir: str, job_id: str | None, ring_dir: str | None, node: str | 
     try:
         finalized = collect_mpi(opts, report)
     except CollectError as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     if not finalized:
         exit_now(0)
 
@@ -221,23 +220,23 @@ def agent(ring_dir: str | None, steps_dir: str | None, steps_out: str | None, no
 
     from megatrace.collect import safefs
     from megatrace.collect.agent import Agent, AgentConfig, StepsAgent, default_state_dir, request_trigger
-    from megatrace.collect.node import node_name
+    from megatrace.names import node_name
 
     job = job_id or "local"
     if not os.path.isdir(job_dir):
-        raise MegatraceError(f"job directory {job_dir} does not exist")
+        raise CommandError(f"job directory {job_dir} does not exist")
     if steps_dir and (ring_dir or out):
-        raise MegatraceError("--steps-dir watches every step-<s> of a directory: give --steps-out for the "
+        raise CommandError("--steps-dir watches every step-<s> of a directory: give --steps-out for the "
                                 "bundles, not --ring-dir or --out")
     if steps_out and not steps_dir:
-        raise MegatraceError("--steps-out goes with --steps-dir")
+        raise CommandError("--steps-out goes with --steps-dir")
     owner = safefs.owner_of(job_dir) if os.geteuid() == 0 else None
     state = state_dir or default_state_dir(job_dir, job)
     if request:
         try:
             path = request_trigger(state, request, owner)
         except OSError as exc:
-            raise MegatraceError(f"cannot write the request into {state}: {exc.strerror or exc}") from None
+            raise CommandError(f"cannot write the request into {state}: {exc.strerror or exc}") from None
         click.echo(f"agent: collection requested ({request}): {path}", err=True)
         return
     cfg = AgentConfig(state_dir=state, ring_dir=ring_dir, node=node or node_name(),
@@ -254,7 +253,7 @@ def agent(ring_dir: str | None, steps_dir: str | None, steps_out: str | None, no
         else:
             watcher = Agent(cfg, log=lambda msg: click.echo(msg, err=True))
     except OSError as exc:
-        raise MegatraceError(f"cannot use the state directory {state}: {exc.strerror or exc}") from None
+        raise CommandError(f"cannot use the state directory {state}: {exc.strerror or exc}") from None
     if once:
         click.echo(json.dumps({"node": cfg.node, "state": watcher.poll()}))
         return
@@ -296,7 +295,7 @@ def job_end(job_dir: str, state_dir: str | None, node: str | None, nodes: str | 
             analyze_timeout: float, job_id: str | None, outputs: tuple[str, ...]) -> None:
     """At the end of a traced job: analyse every step that no collection covered (run by the epilog)."""
     from megatrace.collect.job_end import finish_job
-    from megatrace.collect.node import node_name
+    from megatrace.names import node_name
 
     this = node or node_name()
     try:
@@ -304,7 +303,7 @@ def job_end(job_dir: str, state_dir: str | None, node: str | None, nodes: str | 
                           analyze_timeout, log=lambda msg: click.echo(msg, err=True), job_id=job_id,
                           output_files=list(outputs) if outputs else None)
     except OSError as exc:
-        raise MegatraceError(f"cannot mark {this} done in {state_dir or job_dir}: {exc.strerror or exc}") \
+        raise CommandError(f"cannot mark {this} done in {state_dir or job_dir}: {exc.strerror or exc}") \
             from None
     if done.node != done.leader:
         click.echo(f"job-end: {this} done; {done.leader} writes the reports", err=True)

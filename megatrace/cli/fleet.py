@@ -9,7 +9,7 @@ import datetime
 
 import click
 
-from megatrace.cli.settings import CONTEXT_SETTINGS, MegatraceError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, epilog="""\b
@@ -49,7 +49,8 @@ def health(node: str | None, expect_gpus: int | None, resume_after: int, history
     --resume-after passing checks in a row (never one drained by someone else), and
     failures sent as alerts (deduplicated and rate-limited).
     """
-    from megatrace.check.runner import CheckOptions, Watchdog, node_name
+    from megatrace.check.runner import CheckOptions, Watchdog
+    from megatrace.names import node_name
     from megatrace.check.thresholds import ThresholdsError, load_thresholds
     from megatrace.fleet.alerts import AlertConfigError, load_alert_config
     from megatrace.fleet.health import health_check
@@ -59,7 +60,7 @@ def health(node: str | None, expect_gpus: int | None, resume_after: int, history
     try:
         limits, alert_cfg = load_thresholds(thresholds_path), load_alert_config(alerts_path)
     except (ThresholdsError, AlertConfigError) as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     history, problem = open_history(history_path)  # a corrupt or locked store never stops the check
     if problem:
         click.echo(f"megatrace health: {problem}", err=True)
@@ -100,7 +101,7 @@ def nodes(history_path: str | None, window: int) -> None:
 
     path = Path(history_path) if history_path else default_path()
     if not path.exists():
-        raise MegatraceError(f"no health history at {path} (run `megatrace health` first, or give --history)")
+        raise CommandError(f"no health history at {path} (run `megatrace health` first, or give --history)")
     with History(path) as history:
         rows = history.summary(window)
     if not rows:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from megatrace.cli.settings import CONTEXT_SETTINGS, MegatraceError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
 
 LAB_DIR_OPTION = click.option("--lab-dir", type=click.Path(file_okay=False), envvar="MEGATRACE_LAB_DIR",
                               show_envvar=True, default="/var/lib/megatrace-lab", show_default=True,
@@ -17,8 +17,8 @@ def _paths(lab_dir: str):
     return LabPaths.default(lab_dir)
 
 
-def _fail(exc: Exception) -> MegatraceError:
-    return MegatraceError(str(exc))
+def _fail(exc: Exception) -> CommandError:
+    return CommandError(str(exc))
 
 
 @click.group(context_settings=CONTEXT_SETTINGS, epilog="""\b

@@ -9,7 +9,7 @@ import os
 
 import click
 
-from megatrace.cli.settings import CONTEXT_SETTINGS, MegatraceError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
 from megatrace.config import ORDERS
 from megatrace.demo.engines import DEFAULT_ENGINE, ENGINES
 
@@ -43,7 +43,7 @@ def run(trace_dir: str | None, ring_records: int, command: tuple[str, ...]) -> N
     try:
         os.execvpe(command[0], list(command), env)
     except OSError as exc:
-        raise MegatraceError(f"cannot run {command[0]!r}: {exc.strerror}") from None
+        raise CommandError(f"cannot run {command[0]!r}: {exc.strerror}") from None
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, epilog=_ENGINES_HELP + """\b
@@ -113,10 +113,10 @@ def demo(engine: str, ranks: int | None, tp: int | None, pp: int | None, dp: int
     try:
         layout = build_layout(opts)
     except (LayoutError, FaultError) as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     click.echo(f"demo: {engine} engine, {layout.world_size} ranks (TP{layout.tp} x PP{layout.pp} x DP{layout.dp}), "
                f"{steps} steps -> {opts.out}", err=True)
     result = run_local(opts, log=lambda msg: click.echo(msg, err=True))
     click.echo("\n".join(summary_lines(result)))
     if not result.ok and not faults:
-        raise MegatraceError(f"the demo failed without an injected fault: see {result.out / 'logs'}")
+        raise CommandError(f"the demo failed without an injected fault: see {result.out / 'logs'}")

@@ -1,6 +1,7 @@
 """What every command shares: the one context settings dict and the one base of user-facing errors.
 
-Imports only click: ``megatrace --help`` and ``megatrace-check --help`` load this and nothing heavy.
+Imports only click and :mod:`megatrace.errors`: ``megatrace --help`` and ``megatrace-check --help`` load this and
+nothing heavy.
 """
 
 from __future__ import annotations
@@ -9,18 +10,21 @@ from typing import IO, Any
 
 import click
 
+from megatrace.errors import MegatraceError
+
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-class MegatraceError(click.ClickException):
+class CommandError(MegatraceError, click.ClickException):
     """A user-facing error: printed as one 'Error:' line, exit status 1.
 
     Every error a command shows its user derives from this class; library code raises its own domain
-    errors (``LayoutError``, ``TraceLoadError``, ...) and the command converts them.
+    errors (``LayoutError``, ``TraceLoadError``, ...: all :class:`megatrace.errors.MegatraceError`, as this class
+    is) and the command converts them.
     """
 
 
-class PrefixedError(MegatraceError):
+class PrefixedError(CommandError):
     """A user-facing error said as '<prog>: message' instead of 'Error: message', with its own exit status.
 
     For the commands a Slurm prolog or epilog runs, whose log lines name the program (``megatrace-check: ...``).

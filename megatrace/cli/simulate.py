@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from megatrace.cli.settings import CONTEXT_SETTINGS, MegatraceError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, epilog="""\b
@@ -70,8 +70,8 @@ def simulate(ranks: int | None, tp: int, pp: int, dp: int | None, microbatches: 
                                          gpus_per_node=gpus_per_node, seed=seed),
                               progress=lambda msg: click.echo(f"simulate: {msg}", err=True))
     except (LayoutError, FaultError) as exc:
-        raise MegatraceError(str(exc)) from None
+        raise CommandError(str(exc)) from None
     except OSError as exc:
-        raise MegatraceError(f"cannot write {out}: {exc.strerror or exc}") from None
+        raise CommandError(f"cannot write {out}: {exc.strerror or exc}") from None
     click.echo(f"{result.layout.world_size:,} ranks (TP{tp} x PP{pp} x DP{dp}), {n_steps} steps, "
                f"{result.records:,} records -> {result.out}")

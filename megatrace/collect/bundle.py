@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,9 +25,9 @@ from typing import Any, Callable
 
 from megatrace.collect import safefs
 from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot, main_thread_frames
+from megatrace.names import job_dir_name, safe_name
 
 FORMAT_VERSION = 1
-TRIGGERS = ("hang", "end", "timelimit", "failure", "manual")
 ANALYSIS_MODES = ("auto", "full", "quick", "none")
 # The analysis of a finished bundle (megatrace.pipeline.analyze_bundle): (writer, "full" or "quick", write the
 # report) -> its entry in collection.json. Passed in: collection never imports analysis or report.
@@ -47,10 +46,6 @@ def _proc_entry(facts: dict[str, Any], pid: Any, node: str) -> dict[str, Any]:
     return entry
 
 
-def _safe_name(node: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", node)[:128] or "_"
-
-
 GATHER_MARK, LOCAL_MARK = ".gather", ".local"  # which kind of collection fills a bundle directory
 
 
@@ -62,7 +57,7 @@ def bundle_path(job_dir: str | os.PathLike[str], job_id: str, fresh: bool = Fals
     into it by name) the first that does not exist at all. ``--local`` runs of the nodes of one job share
     one directory: the first not used by a gather.
     """
-    base = Path(job_dir) / f"megatrace-{_safe_name(job_id)}"
+    base = Path(job_dir) / job_dir_name(safe_name(job_id))
     n = 0
     while True:
         candidate = base if n == 0 else base.with_name(f"{base.name}.{n}")
@@ -134,9 +129,9 @@ class BundleWriter:
                 if name in self._sha:
                     if self._sha[name] == digest:
                         continue  # the same file from two nodes (a shared trace directory): keep one copy
-                    extra = extra or self.nodes.subdir(_safe_name(snap.node))
+                    extra = extra or self.nodes.subdir(safe_name(snap.node))
                     extra.write(name, data)
-                    where = f"nodes/{_safe_name(snap.node)}/{name}"
+                    where = f"nodes/{safe_name(snap.node)}/{name}"
                     self.problems.append(f"{name} exists on more than one node with different content; the copy "
                                          f"of node {snap.node} is in {where}")
                 else:
@@ -148,7 +143,7 @@ class BundleWriter:
             self.files.append({"name": where, "node": snap.node, "bytes": len(data), "sha256": digest})
         self._add_facts(snap.node, dict(snap.facts))
         try:
-            self.nodes.write(f"{_safe_name(snap.node)}.json",
+            self.nodes.write(f"{safe_name(snap.node)}.json",
                              json.dumps(snap.facts, indent=1, default=str).encode() + b"\n")
         except OSError as exc:
             self.problems.append(f"cannot write facts of node {snap.node}: {exc.strerror or exc}")
@@ -198,7 +193,7 @@ class BundleWriter:
 
     def has_facts_of(self, nodes: list[str]) -> bool:
         """Whether nodes/<node>.json exists for every one of ``nodes``."""
-        return all(self.nodes.exists(f"{_safe_name(n)}.json") for n in nodes)
+        return all(self.nodes.exists(f"{safe_name(n)}.json") for n in nodes)
 
     def claim(self, name: str) -> bool:
         """Create the empty marker file ``name`` (O_EXCL): True for the one process that made it."""

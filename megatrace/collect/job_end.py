@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatrace.collect import safefs
+from megatrace.names import safe_name
 
 WAIT_S = 30.0
 ANALYZE_TIMEOUT_S = 300.0
@@ -80,12 +81,12 @@ def finish_job(job_dir: str, state_dir: str, node: str, nodes: list[str] | None,
     result = JobEnd(node=node, leader=nodes[0])
     marks = Path(state_dir) / "epilog"
     with safefs.OutDir(state_dir) as state, state.subdir("epilog") as epilog:
-        epilog.write(_safe(node), f"{time.time_ns()}\n".encode(), replace=True)
+        epilog.write(safe_name(node), f"{time.time_ns()}\n".encode(), replace=True)
     if node != result.leader:
         return result
     t0 = time.monotonic()
     while True:
-        result.missing_nodes = [n for n in nodes if not (marks / _safe(n)).exists()]
+        result.missing_nodes = [n for n in nodes if not (marks / safe_name(n)).exists()]
         if not result.missing_nodes or time.monotonic() - t0 >= wait_s:
             break
         time.sleep(0.5)
@@ -211,7 +212,3 @@ def _analyse(step: Path, timeout_s: float, logs: list[Path] = (), out: Path | No
         return f"analysis failed (exit {proc.returncode}): {tail[:300]}"
     report = (out or step) / "report.html"
     return verdict + (f"; report: {report}" if report.exists() else "")
-
-
-def _safe(node: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", node)[:128] or "_"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatrace.collect import safefs
+from megatrace.names import node_name
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.init_marker import MAX_MARKER_BYTES, InitMarker, parse_marker
 
@@ -39,11 +40,6 @@ RESOLVE_TIMEOUT_S = 3.0  # a rendezvous name's lookup, and a connection to it
 STACK_TIMEOUT_S = 10.0  # py-spy attaches and unwinds in well under a second per process
 KMSG_PATTERN = re.compile(r"NVRM: Xid|Out of memory|oom-kill|hung_task|blocked for more than|segfault", re.I)
 KMSG_MAX_LINES = 200
-
-
-def node_name() -> str:
-    """This node's name: ``MEGATRACE_NODE_NAME``, ``SLURMD_NODENAME``, or the host name."""
-    return os.environ.get("MEGATRACE_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 @dataclass

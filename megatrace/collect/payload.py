@@ -19,6 +19,7 @@ import zlib
 from typing import Any
 
 from megatrace.collect.node import TRACE_FILE_RE, NodeSnapshot
+from megatrace.errors import MegatraceError
 
 NODE_MAGIC = b"MTNODE1\n"
 LEADER_MAGIC = b"MTLEAD1\n"
@@ -27,7 +28,7 @@ COMPRESS_LEVEL = 1  # rings are mostly zeros or repetitive records: level 1 gets
 MAX_UNPACKED = 1 << 40
 
 
-class PayloadError(ValueError):
+class PayloadError(MegatraceError, ValueError):
     """A payload or frame that cannot be decoded."""
 
 

@@ -23,11 +23,13 @@ from typing import Any
 from megatrace.collect import safefs
 from megatrace.collect.bundle import GATHER_MARK, LOCAL_MARK, Analyse, BundleWriter, bundle_path
 from megatrace.collect.gather import DEFAULT_GROUP_SIZE, DEFAULT_TIMEOUT_S, gather, release
-from megatrace.collect.node import NodeSnapshot, default_ring_dir, node_name, snapshot_node
+from megatrace.collect.node import NodeSnapshot, default_ring_dir, snapshot_node
 from megatrace.collect.payload import PayloadError, pack_node, unpack_node
+from megatrace.errors import MegatraceError
+from megatrace.names import node_name
 
 
-class CollectError(Exception):
+class CollectError(MegatraceError):
     """A usage problem the user must fix (no MPI, no job directory)."""
 
 

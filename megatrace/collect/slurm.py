@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatrace.errors import MegatraceError
+
 ON_HANG = ("report", "cancel", "requeue")
 SCONTROL_TIMEOUT_S = 30.0
 EXCLUDE_WAIT_S = 60.0  # how long a requeued job may take to be pending again (its epilogs run first)
@@ -285,7 +287,7 @@ FILE_PATTERN = re.compile(r"%(\d{0,2})([AaJjNnstux%])")  # sbatch's filename pat
 SACCT_FIELDS = ("JobIDRaw", "JobName", "User", "WorkDir", "NodeList", "StdOut", "StdErr")  # StdOut: Slurm 23.02+
 
 
-class JobLookupError(Exception):
+class JobLookupError(MegatraceError):
     """Slurm does not know the job, or names no output file of it; the message says what was asked and why."""
 
 

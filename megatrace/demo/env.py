@@ -6,10 +6,12 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from megatrace.errors import MegatraceError
+
 DEFAULT_PORT = 29500
 
 
-class EnvError(ValueError):
+class EnvError(MegatraceError, ValueError):
     """The environment does not say which rank this process is."""
 
 

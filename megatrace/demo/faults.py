@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Union
 
 from megatrace.config import Layout
+from megatrace.errors import MegatraceError
 
 PHASES = ("forward", "backward", "optimizer")
 
 
-class FaultError(ValueError):
+class FaultError(MegatraceError, ValueError):
     """A malformed or impossible fault spec; the message names the spec and the bad field."""
 
 

@@ -14,11 +14,12 @@ from datetime import timedelta
 from typing import Any
 
 from megatrace.demo.env import DistEnv
+from megatrace.errors import MegatraceError
 
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class RendezvousError(Exception):
+class RendezvousError(MegatraceError):
     """The rendezvous address cannot be resolved or reached: the message says which, and why."""
 
 

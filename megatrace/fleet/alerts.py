@@ -27,6 +27,7 @@ from typing import Any
 
 
 from megatrace.config import read_yaml
+from megatrace.errors import MegatraceError
 from megatrace.files import write_atomic
 from megatrace.fleet.history import History
 from megatrace.redact import redact_text
@@ -34,7 +35,7 @@ from megatrace.redact import redact_text
 LEVELS = ("P0", "P1", "P2", "P3")  # P0 most urgent
 
 
-class AlertConfigError(ValueError):
+class AlertConfigError(MegatraceError, ValueError):
     """An alerts file that cannot be used; the message names the file and the field."""
 
 

@@ -7,6 +7,8 @@ things live), :mod:`.install` (packages, plugin, scripts), :mod:`.slurmconf`
 it runs: Debian's, one under a prefix, or one built from source).
 """
 
+from megatrace.errors import MegatraceError
 
-class LabError(RuntimeError):
+
+class LabError(MegatraceError, RuntimeError):
     """The lab cannot be brought up, down or used; the message says why."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatrace.lab import LabError
+from megatrace.names import job_dir_name, step_dir_name
 
 Log = Callable[[str], None]
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -94,7 +95,7 @@ def run(demo: LabDemo, workdir: Path, log: Log) -> Path:
     log(f"lab demo: sbatch {option} -N{demo.nodes} -n{demo.ranks} --overcommit {script.name}: job {job} "
         f"(fault {demo.fault})")
     state = wait_for_job(job, demo.timeout_s, log)
-    trace_dir = workdir / f"megatrace-{job}" / "step-0"
+    trace_dir = workdir / job_dir_name(job) / step_dir_name(0)
     rings = list((trace_dir / "rings").glob("rank-*.ring"))
     if not rings:
         raise LabError(f"job {job} ended {state} without rings in {trace_dir / 'rings'}; "

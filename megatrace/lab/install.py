@@ -99,7 +99,7 @@ def install_scripts(paths: LabPaths, log: Log) -> None:
     src = repo_root() / "slurm"
     paths.libexec.mkdir(parents=True, exist_ok=True)
     for name, dest in (("prolog", paths.prolog), ("epilog", paths.epilog), ("healthcheck", paths.healthcheck),
-                       ("megatrace-lib.sh", paths.libexec / "megatrace-lib.sh")):  # what prolog and epilog source
+                       ("megatrace-lib.sh", paths.libexec / "megatrace-lib.sh")):  # what all three source
         tmp = dest.with_name(f".{name}.tmp")
         shutil.copyfile(src / name, tmp)
         os.chown(tmp, 0, 0)

@@ -31,7 +31,7 @@ from megatrace.load.discovery import foreign_owner, marker_files, read_header, r
 from megatrace.load.importers import detect_format, import_trace, not_a_trace
 from megatrace.load.importers.detect import looks_like_nccl_ras
 from megatrace.load.markers import read_markers, rendezvous_facts
-from megatrace.load.rings import RecordColumns, Tally, load_all, load_tails, read_tail_columns
+from megatrace.load.rings import RecordColumns, TailColumns, Tally, load_all, load_tails, read_tail_columns
 from megatrace.load.side_files import merge_groups, node_facts, resolve_layout
 from megatrace.load.traceset import LoadProblem, TraceLoadError, TraceSet, name_list, rank_list
 from megatrace.trace import ring_format as fmt
@@ -45,6 +45,8 @@ from megatrace.trace.ring_reader import RingFormatError, RingHeader
 # of an op someone waits in lies before its tail) tail_gaps() finds it and extend_tails() reads further
 # back, so the margin buys speed, not correctness: at 4,096 ranks 256 measured 0.2 s slower than 128.
 QUICK_TAIL = 128
+
+
 def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | None = None,
                format: str = "auto") -> TraceSet:  # noqa: A002 - the CLI option's name
     """Load a trace directory; see the module docstring. ``layout`` overrides ``layout.yaml``.
@@ -59,30 +61,11 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
     if not directory.exists():
         raise TraceLoadError(f"{directory}: no such directory")
     if not directory.is_dir():
-        if not directory.is_file():
-            raise TraceLoadError(f"{directory}: neither a directory nor a regular file (a FIFO, device or socket is "
-                                 f"never read)")
-        if format in ("auto", "nccl-ras"):  # one file: an NCCL RAS report, when it starts like one
-            if format == "nccl-ras" or looks_like_nccl_ras(directory):
-                return import_trace(directory, "nccl-ras", layout)
-        if format in ("auto", "job-log"):  # one file: a job's output log (docs/importers.md)
-            return import_trace(directory, "job-log", layout)
-        raise TraceLoadError(f"{directory}: not a directory: a trace of format {format} is a directory (one file is "
-                             f"read only as a job output log, --format job-log, or an NCCL RAS report, "
-                             f"--format nccl-ras)")
+        return _load_file(directory, layout, format)
     files, earlier = ring_files(directory) if format in ("auto", "rings") else ([], [])
     where, marker_names = marker_files(directory) if format in ("auto", "rings") else (directory, [])
-    if not files and marker_names:  # ranks in init_process_group and none past it: stuck before communication
-        return _startup_trace(directory, where, marker_names, layout)
-    if not files and format != "rings":  # foreign formats: Flight Recorder, NCCL logs, Inspector (docs/importers.md)
-        found = detect_format(directory) if format == "auto" else format
-        if found is not None:
-            return import_trace(directory, found, layout)
-    if not files and format == "auto":  # nothing recognised: say what was looked for, in every format
-        raise TraceLoadError(not_a_trace(directory))
     if not files:
-        raise TraceLoadError(f"{directory}: not a MegaTrace trace directory: no ring files "
-                             f"(rank-NNNNN.ring) in it or in its rings/ subdirectory")
+        return _load_without_rings(directory, where, marker_names, layout, format)
     problems: list[LoadProblem] = []
     foreign_owner(directory, problems)
     if earlier:
@@ -90,17 +73,8 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
             "info", "earlier-attempts",
             f"{len(earlier)} ring files of earlier attempts of restarted ranks ignored: "
             f"{name_list([p.name for p in earlier])}", paths=tuple(map(str, earlier))))
-    headers: dict[Path, RingHeader] = {}
     unreadable: list[str] = []
-    if tail is None:
-        for path in files:
-            try:
-                headers[path] = read_header(path)
-            except (RingFormatError, OSError) as exc:
-                unreadable.append(str(exc))
-    else:  # header and tail of every file at once (a file of another job or a duplicate is read for nothing)
-        tails = read_tail_columns(files, tail, unreadable)
-        headers = {path: snap.header for path, snap in tails.snaps.items()}
+    headers, tails = _read_headers(files, tail, unreadable)
     if not headers:
         raise TraceLoadError(f"{directory}: none of the {len(files)} ring files is readable: "
                              f"{name_list(unreadable, 3)}")
@@ -136,6 +110,54 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
                     layout=resolve_layout(directory, layout, world, problems), facts=facts,
                     problems=problems, missing_ranks=missing, tail=tail, meta=metas,
                     init_markers=waiting)
+
+
+def _load_file(path: Path, layout: Layout | None, format: str) -> TraceSet:  # noqa: A002
+    """A trace given as one file: an NCCL RAS report or a job's output log (else an error)."""
+    if not path.is_file():
+        raise TraceLoadError(f"{path}: neither a directory nor a regular file (a FIFO, device or socket is "
+                             f"never read)")
+    if format in ("auto", "nccl-ras"):  # one file: an NCCL RAS report, when it starts like one
+        if format == "nccl-ras" or looks_like_nccl_ras(path):
+            return import_trace(path, "nccl-ras", layout)
+    if format in ("auto", "job-log"):  # one file: a job's output log (docs/importers.md)
+        return import_trace(path, "job-log", layout)
+    raise TraceLoadError(f"{path}: not a directory: a trace of format {format} is a directory (one file is "
+                         f"read only as a job output log, --format job-log, or an NCCL RAS report, "
+                         f"--format nccl-ras)")
+
+
+def _load_without_rings(directory: Path, where: Path, marker_names: list[str], layout: Layout | None,
+                        format: str) -> TraceSet:  # noqa: A002
+    """A directory without ring files: start markers only, a foreign format, or an error saying what was looked
+    for."""
+    if marker_names:  # ranks in init_process_group and none past it: stuck before communication
+        return _startup_trace(directory, where, marker_names, layout)
+    if format != "rings":  # foreign formats: Flight Recorder, NCCL logs, Inspector (docs/importers.md)
+        found = detect_format(directory) if format == "auto" else format
+        if found is not None:
+            return import_trace(directory, found, layout)
+    if format == "auto":  # nothing recognised: say what was looked for, in every format
+        raise TraceLoadError(not_a_trace(directory))
+    raise TraceLoadError(f"{directory}: not a MegaTrace trace directory: no ring files "
+                         f"(rank-NNNNN.ring) in it or in its rings/ subdirectory")
+
+
+def _read_headers(files: list[Path], tail: int | None,
+                  unreadable: list[str]) -> tuple[dict[Path, RingHeader], TailColumns | None]:
+    """Every readable file's header and, with ``tail``, its newest records (else None); the others are said in
+    ``unreadable``."""
+    if tail is not None:  # header and tail of every file at once (a file of another job or a duplicate is read
+        #                   for nothing)
+        tails = read_tail_columns(files, tail, unreadable)
+        return {path: snap.header for path, snap in tails.snaps.items()}, tails
+    headers: dict[Path, RingHeader] = {}
+    for path in files:
+        try:
+            headers[path] = read_header(path)
+        except (RingFormatError, OSError) as exc:
+            unreadable.append(str(exc))
+    return headers, None
 
 
 def _startup_trace(directory: Path, where: Path, names: list[str], layout: Layout | None) -> TraceSet:

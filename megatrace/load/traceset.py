@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megatrace.config import Layout
+from megatrace.errors import MegatraceError
 
 if TYPE_CHECKING:
     from megatrace.trace.init_marker import InitMarker
@@ -22,7 +23,7 @@ DEVICE_FLAG = 4  # ring_format.Flag.DEVICE: the call's tensor lived on an accele
 UNNAMED_DESCS = ("", "undefined")  # torch's description of a group created without one
 
 
-class TraceLoadError(Exception):
+class TraceLoadError(MegatraceError):
     """The directory is not a trace (or nothing in it is readable); the message names the directory."""
 
 
@@ -209,7 +210,7 @@ class TraceSet:
     tail: int | None = None  # None: every record; K: only each rank's newest K records were loaded
     #                          (more for ranks whose tail had to be extended); see ``RankInfo.unread``
     meta: dict[int, list[dict]] | None = None  # each loaded rank's meta entries, as read (None: not kept)
-    imported: str = ""  # the foreign format it was imported from ("flight-recorder", ...); "" for ring files
+    source_format: str = "rings"  # the format it was read from: "rings" or an importer's ("flight-recorder", ...)
     world_source: str = "ring headers (torch.distributed world size)"  # where world_size came from
     init_markers: dict[int, InitMarker] = field(default_factory=dict)  # rank -> start marker (analyze/startup.py)
     completion_times: str = "observed"  # "arrivals": an imported format whose calls complete, as far as it
@@ -219,6 +220,11 @@ class TraceSet:
 
     def __post_init__(self) -> None:
         self._pos = {int(r): i for i, r in enumerate(self.ranks)}
+
+    @property
+    def imported(self) -> str:
+        """The foreign format it was imported from (:attr:`source_format`); "" for ring files."""
+        return "" if self.source_format == "rings" else self.source_format
 
     @property
     def coverage(self) -> float:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatrace.analyze.words import duration
+from megatrace.errors import MegatraceError
 
-SEVERITY_ORDER = ("critical", "error", "warning", "info")
 HEADLINES = {  # finding kind -> the banner's first word(s)
     "compute-hang": "HANG", "comm-hang": "COMMUNICATION HANG", "crashed-process": "CRASH",
     "exited-early": "EARLY EXIT", "no-trace": "HANG (NO TRACE)",
@@ -32,7 +32,7 @@ MAX_STEPS_SHOWN = 120  # per-iteration bars: the most recent steps
 DELAY_FLOOR = 0.1  # delay-matrix colours saturate at the worst cell, or at this share of a step if more
 
 
-class ReportError(Exception):
+class ReportError(MegatraceError):
     """The input is not a findings document this report can render."""
 
 

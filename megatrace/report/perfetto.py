@@ -2,8 +2,9 @@
 
 Two exports:
 
-* :func:`export_trace` (``megatrace export DIR --perfetto -o trace.json``): **every record** of a trace
-  of any format (rings or an imported one), streamed to the file as it is formatted. One process per rank
+* :func:`write_trace_file` (``megatrace export DIR --perfetto -o trace.json``, through
+  :func:`megatrace.pipeline.export_trace`, which loads the trace and aligns its clocks): **every record** of a
+  trace of any format (rings or an imported one), streamed to the file as it is formatted. One process per rank
   (pid = rank + 1: Perfetto reserves pid 0 and tid 0; the process is named ``rank R (host, GPU g)``), its
   threads are lanes: one per group and kind (collectives, send/recv) and, where calls of one lane overlap,
   more lanes, so that within one thread no two slices overlap (Perfetto needs slices on a thread to nest).
@@ -27,13 +28,16 @@ import json
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 import numpy as np
 
+from megatrace.errors import MegatraceError
 from megatrace.files import atomic_output
+from megatrace.names import unknown_op_name
 from megatrace.trace.ring_format import Dtype, Flag, Op, Phase, State
 
 
@@ -129,7 +133,7 @@ class _OpText(NamedTuple):
     flow: str  # the group's label (escaped, no quotes): flows are named "<label> #<seq>"
 
 
-class ExportError(Exception):
+class ExportError(MegatraceError):
     """The output cannot be written (the message names the path and why)."""
 
 
@@ -284,7 +288,7 @@ def _op_text(code: int) -> str:
     try:
         return Op(code).label
     except ValueError:
-        return f"op{code}"
+        return unknown_op_name(code)
 
 
 class _Writer:
@@ -307,21 +311,25 @@ class _Writer:
             raise ExportError(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
 
-def write_trace(trace: Any, ix: Any, te: np.ndarray, tc: np.ndarray, fh: IO[str], path: str = "",
-                clock_method: str = "") -> ExportStats:
-    """Write the whole trace as one JSON trace-event document to ``fh`` (see the module docstring).
+@dataclass
+class _Layout:
+    """Where every record goes: its shape, slice end, lane (a thread) and flow."""
 
-    ``te`` / ``tc``: the aligned enqueue and completion times (ns) of every record; ``ix`` its
-    :class:`~megatrace.analyze.index.RecordIndex`.
-    """
-    from megatrace import __version__
+    shape: np.ndarray  # DONE, OPEN, ... per record
+    end: np.ndarray  # end of its slice (ns)
+    closed: np.ndarray  # it has a completion (or failure) time
+    lanes: np.ndarray  # the lanes' codes ((rank * key_span + key) * lane_span + lane), sorted
+    tid_ix: np.ndarray  # per record: its lane's index in ``lanes``
+    key_span: int
+    lane_span: int
+    tid_base: int  # a lane's tid is tid_base + its index
+    fid: np.ndarray  # flow id per record (-1: none)
+    fph: np.ndarray  # flow phase per record (0: none)
 
+
+def _layout(trace: Any, ix: Any, te: np.ndarray, tc: np.ndarray, end_ns: int, stats: ExportStats) -> _Layout:
     rec = trace.records
     n = len(rec)
-    stats = ExportStats(path=path, records=n)
-    out = _Writer(fh, path)
-    t0 = int(te.min()) if n else 0
-    end_ns = int(max(te.max(), tc.max())) if n else 0
     shape, end = record_shapes(rec, te, tc, end_ns)
     closed = ((shape == DONE) | (shape == FAILED)) & (tc > 0) & (tc >= te)  # a completion (or failure) time
     key = lane_keys(rec, ix.gidx)
@@ -335,11 +343,21 @@ def write_trace(trace: Any, ix: Any, te: np.ndarray, tc: np.ndarray, fh: IO[str]
     del code
     tid_base = trace.world_size + PID_BASE + 1  # tids never equal a pid (Perfetto names threads by tid)
     fid, fph, stats.flows = flow_links(ix, rec.rank, te)
-    counts = int(trace.job_id == "nccl-log")  # the NCCL patch logs element counts, not bytes
-    size_key = '"count"' if counts else '"bytes"'
+    return _Layout(shape, end, closed, lanes, tid_ix, key_span, lane_span, tid_base, fid, fph)
 
-    out.raw('{"traceEvents":[\n')
-    # metadata: every rank of the world is a named process, every lane a named thread
+
+def _lane_name(groups: list[Any], k: int, ln: int) -> str:
+    if k == MARKER_KEY:
+        base = "steps and phases"
+    else:
+        gi = k // 2 - 1
+        g = groups[gi] if 0 <= gi < len(groups) else None
+        base = (g.label if g is not None else "unknown groups") + (" send/recv" if k % 2 else "")
+    return base + (f" ({ln + 1})" if ln else "")
+
+
+def _metadata_events(trace: Any, groups: list[Any], lay: _Layout) -> list[str]:
+    """Every rank of the world as a named process, every lane as a named thread."""
     meta: list[str] = []
     present = {int(r) for r in trace.ranks.tolist()}
     for r in range(trace.world_size):
@@ -350,148 +368,171 @@ def write_trace(trace: Any, ix: Any, te: np.ndarray, tc: np.ndarray, fh: IO[str]
         meta.append(f'{{"ph":"M","name":"process_name","pid":{pid},"tid":{pid},"args":{{"name":{_js(name)}}}}}')
         meta.append(f'{{"ph":"M","name":"process_sort_index","pid":{pid},"tid":{pid},'
                     f'"args":{{"sort_index":{r}}}}}')
-    groups = [trace.groups.get(int(g)) for g in ix.group_ids.tolist()]
-
-    def lane_name(k: int, ln: int) -> str:
-        if k == MARKER_KEY:
-            base = "steps and phases"
-        else:
-            gi = k // 2 - 1
-            g = groups[gi] if 0 <= gi < len(groups) else None
-            base = (g.label if g is not None else "unknown groups") + (" send/recv" if k % 2 else "")
-        return base + (f" ({ln + 1})" if ln else "")
-
-    for j, c in enumerate(lanes.tolist()):
-        ln = c % lane_span
-        k = (c // lane_span) % key_span + MARKER_KEY
-        pid = c // lane_span // key_span + PID_BASE
-        tid = tid_base + j
+    for j, c in enumerate(lay.lanes.tolist()):
+        ln = c % lay.lane_span
+        k = (c // lay.lane_span) % lay.key_span + MARKER_KEY
+        pid = c // lay.lane_span // lay.key_span + PID_BASE
+        tid = lay.tid_base + j
         meta.append(f'{{"ph":"M","name":"thread_name","pid":{pid},"tid":{tid},'
-                    f'"args":{{"name":{_js(lane_name(k, ln))}}}}}')
+                    f'"args":{{"name":{_js(_lane_name(groups, k, ln))}}}}}')
         meta.append(f'{{"ph":"M","name":"thread_sort_index","pid":{pid},"tid":{tid},"args":{{"sort_index":{j}}}}}')
-    out.events_out(meta)
-    stats.lanes = len(lanes)
+    return meta
+
+
+_ROOTED = {int(Op.BROADCAST), int(Op.REDUCE), int(Op.GATHER), int(Op.SCATTER)}
+_STATES = {int(State.COMPLETED): "completed", int(State.ENQUEUED): "enqueued", int(State.FAILED): "failed",
+           int(State.EMPTY): "empty"}
+_POINT_STATE = {int(State.COMPLETED): "completed, completion time unknown",
+                int(State.ENQUEUED): "enqueued, completion not observable"}
+_SHAPE_STATE = {DONE: ("completed", "", ""),  # (state, name suffix, category suffix)
+                OPEN: ("enqueued, never completed", " (never completed)", ",incomplete"),
+                FAILED: ("failed", " (failed)", ",failed")}
+_DIGITS = [f"{i:03d}" for i in range(1000)]
+_FLAG_TEXT = {f: _flag_text(f) for f in range(256)}
+
+
+def _op_parts(groups: list[Any], gi: int, op: int, dt: int) -> _OpText:
+    """The parts of an operation's event that do not vary per (group index, op, dtype), JSON-escaped."""
+    g = groups[gi] if gi >= 0 else None
+    label = g.label if g is not None else "unknown group"
+    dname = _dtype_text(dt)
+    return _OpText(name=_js(f"{_kind_label(g.kind) if g is not None else '?'} {_op_text(op)}")[1:-1],
+                   cat=P2P if op in (SEND, RECV) else COLLECTIVE,
+                   args=f'"op":{_js(_op_text(op))},"group":{_js(label)}',
+                   dtype_arg="" if dname is None else f',"dtype":"{dname}"',
+                   peer_role=1 if op in (SEND, RECV) else 2 if op in _ROOTED else 0, flow=_js(label)[1:-1])
+
+
+def _us(ns: np.ndarray) -> list[str]:
+    """Times in ns as µs with three decimals."""
+    return [f"{q}.{_DIGITS[r]}" for q, r in zip((ns // 1000).tolist(), (ns % 1000).tolist(), strict=True)]
+
+
+def _chunk_columns(trace: Any, ix: Any, te: np.ndarray, t0: int, lay: _Layout, sl: slice) -> tuple[Any, ...]:
+    """(event times, durations, ends, flow times by row, per-record columns) of the records ``sl``."""
+    rec = trace.records
+    gi_col = ix.gidx[sl]
+    off = te[sl] - t0
+    dur = lay.end[sl] - te[sl]
+    mid = off + dur // 2
+    flow_rows = lay.fph[sl] > 0
+    mid_s = dict(zip(np.flatnonzero(flow_rows).tolist(), _us(mid[flow_rows]), strict=True))
+    gids = ix.group_ids
+    cols = zip(rec.rank[sl].tolist(), (lay.tid_ix[sl] + lay.tid_base).tolist(), lay.shape[sl].tolist(),
+               rec.op[sl].tolist(), gi_col.tolist(),
+               np.where(gi_col >= 0, gids[np.maximum(gi_col, 0)] if len(gids) else 0, rec.group_id[sl]).tolist(),
+               rec.group_seq[sl].tolist(), rec.nbytes[sl].tolist(), rec.dtype[sl].tolist(),
+               rec.peer[sl].tolist(), rec.flags[sl].tolist(), rec.state[sl].tolist(), rec.seq[sl].tolist(),
+               lay.fid[sl].tolist(), lay.fph[sl].tolist(), lay.closed[sl].tolist(), strict=True)
+    return _us(off), _us(dur), _us(off + dur), mid_s, cols
+
+
+def _chunk_events(chunk: tuple[Any, ...], parts_of: Any, size_key: str, stats: ExportStats) -> list[str]:
+    """The events of one chunk of records (``chunk``: what :func:`_chunk_columns` returned)."""
+    ts_s, dur_s, end_s, mid_s, cols = chunk
+    step_op = int(Op.MARK_STEP)
+    events: list[str] = []
+    add = events.append
+    for i, (r, tid, shp, op, gi, gid, gseq, size, dt, peer, flags, st, rseq, f_id, f_ph, ended) in enumerate(cols):
+        pid = r + PID_BASE
+        ts = ts_s[i]
+        if shp == MARK:
+            if op == step_op:
+                name = f"step {gseq}"
+            else:
+                name = _phase_text(dt) + (f" mb {peer}" if peer >= 0 else "") + f" (step {gseq})"
+            add(f'{{"ph":"i","s":"t","pid":{pid},"tid":{tid},"ts":{ts},"name":"{name}","cat":"{MARKER}",'
+                f'"args":{{"rank":{r},"record":{rseq},"step":{gseq}}}}}')
+            stats.instants += 1
+            continue
+        pname, cat, fixed, dtype_arg, peer_role, flow_label = parts_of(gi, op, dt)
+        if peer_role == 1:
+            pname = f"{pname} {'→' if op == SEND else '←'} {peer}"
+            peer_arg = f',"peer":{peer}'
+        else:
+            peer_arg = f',"root":{peer}' if peer_role == 2 and peer >= 0 else ""
+        if shp == POINT:
+            state, suffix, more = _POINT_STATE.get(st, _STATES.get(st, f"state {st}")), "", ""
+        else:
+            state, suffix, more = _SHAPE_STATE[shp]
+            if shp == OPEN:
+                stats.incomplete += 1
+        add(f'{{"ph":"X","pid":{pid},"tid":{tid},"ts":{ts},"dur":{dur_s[i]},"name":"{pname} #{gseq}{suffix}",'
+            f'"cat":"{cat}{more}","args":{{{fixed},"gid":{gid},"seq":{gseq},{size_key}:{size}{dtype_arg}'
+            f'{peer_arg},"state":"{state}","enqueue_us":{ts},"complete_us":{end_s[i] if ended else "null"}'
+            + (f',"flags":"{_FLAG_TEXT[flags]}"' if flags else "") + f',"rank":{r},"record":{rseq}}}}}')
+        stats.slices += 1
+        if f_ph:
+            add(f'{{"ph":"{_FLOW_PH[f_ph]}","id":{f_id},"cat":"{cat}","name":"{flow_label} #{gseq}",'
+                f'"pid":{pid},"tid":{tid},"ts":{mid_s[i]},"bp":"e"}}')
+            stats.flow_events += 1
+    return events
+
+
+def _other_data(trace: Any, t0: int, end_ns: int, clock_method: str, counts: int) -> dict[str, Any]:
+    from megatrace import __version__
+
+    return {"generator": f"megatrace {__version__}", "source": str(trace.path), "format": _format_name(trace),
+            "job_id": trace.job_id, "world_size": trace.world_size, "t0_ns": t0,
+            "end_us": (end_ns - t0) / 1000, "records": len(trace.records), "clock": clock_method,
+            "completion_times": trace.completion_times,
+            "size_unit": "elements (the NCCL patch logs counts)" if counts else "bytes",
+            "pid": "rank + 1", "missing_ranks": list(trace.missing_ranks)}
+
+
+def write_trace(trace: Any, ix: Any, te: np.ndarray, tc: np.ndarray, fh: IO[str], path: str = "",
+                clock_method: str = "") -> ExportStats:
+    """Write the whole trace as one JSON trace-event document to ``fh`` (see the module docstring).
+
+    ``te`` / ``tc``: the aligned enqueue and completion times (ns) of every record; ``ix`` its
+    :class:`~megatrace.analyze.index.RecordIndex`.
+    """
+    rec = trace.records
+    n = len(rec)
+    stats = ExportStats(path=path, records=n)
+    out = _Writer(fh, path)
+    t0 = int(te.min()) if n else 0
+    end_ns = int(max(te.max(), tc.max())) if n else 0
+    lay = _layout(trace, ix, te, tc, end_ns, stats)
+    counts = int(trace.source_format == "nccl-log")  # the NCCL patch logs element counts, not bytes
+    size_key = '"count"' if counts else '"bytes"'
+
+    out.raw('{"traceEvents":[\n')
+    groups = [trace.groups.get(int(g)) for g in ix.group_ids.tolist()]
+    out.events_out(_metadata_events(trace, groups, lay))
+    stats.lanes = len(lay.lanes)
     stats.ranks = len(np.unique(rec.rank))
 
-    # per (group index, op, dtype): the parts of an operation's event that do not vary, JSON-escaped once
     cache: dict[tuple[int, int, int], _OpText] = {}
-    rooted = {int(Op.BROADCAST), int(Op.REDUCE), int(Op.GATHER), int(Op.SCATTER)}
 
-    def op_text(gi: int, op: int, dt: int) -> _OpText:
-        g = groups[gi] if gi >= 0 else None
-        label = g.label if g is not None else "unknown group"
-        dname = _dtype_text(dt)
-        return _OpText(name=_js(f"{_kind_label(g.kind) if g is not None else '?'} {_op_text(op)}")[1:-1],
-                       cat=P2P if op in (SEND, RECV) else COLLECTIVE,
-                       args=f'"op":{_js(_op_text(op))},"group":{_js(label)}',
-                       dtype_arg="" if dname is None else f',"dtype":"{dname}"',
-                       peer_role=1 if op in (SEND, RECV) else 2 if op in rooted else 0, flow=_js(label)[1:-1])
+    def parts_of(gi: int, op: int, dt: int) -> _OpText:
+        parts = cache.get((gi, op, dt))
+        if parts is None:
+            parts = cache[(gi, op, dt)] = _op_parts(groups, gi, op, dt)
+        return parts
 
-    states = {int(State.COMPLETED): "completed", int(State.ENQUEUED): "enqueued", int(State.FAILED): "failed",
-              int(State.EMPTY): "empty"}
-    point_state = {int(State.COMPLETED): "completed, completion time unknown",
-                   int(State.ENQUEUED): "enqueued, completion not observable"}
-    shape_state = {DONE: ("completed", "", ""),  # (state, name suffix, category suffix)
-                   OPEN: ("enqueued, never completed", " (never completed)", ",incomplete"),
-                   FAILED: ("failed", " (failed)", ",failed")}
-    digits = [f"{i:03d}" for i in range(1000)]
-    flag_text = {f: _flag_text(f) for f in range(256)}
-    step_op = int(Op.MARK_STEP)
-    gids = ix.group_ids
     for lo in range(0, n, CHUNK_ROWS):
-        sl = slice(lo, min(n, lo + CHUNK_ROWS))
-        gi_col = ix.gidx[sl]
-        off = te[sl] - t0
-        dur = end[sl] - te[sl]
-        mid = off + dur // 2
-        ts_s = [f"{q}.{digits[r]}" for q, r in zip((off // 1000).tolist(), (off % 1000).tolist(), strict=True)]
-        dur_s = [f"{q}.{digits[r]}" for q, r in zip((dur // 1000).tolist(), (dur % 1000).tolist(), strict=True)]
-        end_off = off + dur
-        end_s = [f"{q}.{digits[r]}" for q, r in zip((end_off // 1000).tolist(), (end_off % 1000).tolist(),
-                                                     strict=True)]
-        flow_rows = fph[sl] > 0
-        mid_s = dict(zip(np.flatnonzero(flow_rows).tolist(),
-                         (f"{q}.{digits[r]}" for q, r in zip((mid[flow_rows] // 1000).tolist(),
-                                                              (mid[flow_rows] % 1000).tolist(), strict=True)),
-                         strict=True))
-        cols = zip(rec.rank[sl].tolist(), (tid_ix[sl] + tid_base).tolist(), shape[sl].tolist(), rec.op[sl].tolist(),
-                   gi_col.tolist(),
-                   np.where(gi_col >= 0, gids[np.maximum(gi_col, 0)] if len(gids) else 0,
-                            rec.group_id[sl]).tolist(),
-                   rec.group_seq[sl].tolist(), rec.nbytes[sl].tolist(), rec.dtype[sl].tolist(),
-                   rec.peer[sl].tolist(), rec.flags[sl].tolist(), rec.state[sl].tolist(), rec.seq[sl].tolist(),
-                   fid[sl].tolist(), fph[sl].tolist(), closed[sl].tolist(), strict=True)
-        events: list[str] = []
-        add = events.append
-        for i, (r, tid, shp, op, gi, gid, gseq, size, dt, peer, flags, st, rseq, f_id, f_ph, ended) in enumerate(cols):
-            pid = r + PID_BASE
-            ts = ts_s[i]
-            if shp == MARK:
-                if op == step_op:
-                    name = f"step {gseq}"
-                else:
-                    name = _phase_text(dt) + (f" mb {peer}" if peer >= 0 else "") + f" (step {gseq})"
-                add(f'{{"ph":"i","s":"t","pid":{pid},"tid":{tid},"ts":{ts},"name":"{name}","cat":"{MARKER}",'
-                    f'"args":{{"rank":{r},"record":{rseq},"step":{gseq}}}}}')
-                stats.instants += 1
-                continue
-            parts = cache.get((gi, op, dt))
-            if parts is None:
-                parts = cache[(gi, op, dt)] = op_text(gi, op, dt)
-            pname, cat, fixed, dtype_arg, peer_role, flow_label = parts
-            if peer_role == 1:
-                pname = f"{pname} {'→' if op == SEND else '←'} {peer}"
-                peer_arg = f',"peer":{peer}'
-            else:
-                peer_arg = f',"root":{peer}' if peer_role == 2 and peer >= 0 else ""
-            if shp == POINT:
-                state, suffix, more = point_state.get(st, states.get(st, f"state {st}")), "", ""
-            else:
-                state, suffix, more = shape_state[shp]
-                if shp == OPEN:
-                    stats.incomplete += 1
-            add(f'{{"ph":"X","pid":{pid},"tid":{tid},"ts":{ts},"dur":{dur_s[i]},"name":"{pname} #{gseq}{suffix}",'
-                f'"cat":"{cat}{more}","args":{{{fixed},"gid":{gid},"seq":{gseq},{size_key}:{size}{dtype_arg}'
-                f'{peer_arg},"state":"{state}","enqueue_us":{ts},"complete_us":{end_s[i] if ended else "null"}'
-                + (f',"flags":"{flag_text[flags]}"' if flags else "") + f',"rank":{r},"record":{rseq}}}}}')
-            stats.slices += 1
-            if f_ph:
-                add(f'{{"ph":"{_FLOW_PH[f_ph]}","id":{f_id},"cat":"{cat}","name":"{flow_label} #{gseq}",'
-                    f'"pid":{pid},"tid":{tid},"ts":{mid_s[i]},"bp":"e"}}')
-                stats.flow_events += 1
-        out.events_out(events)
-    other = {"generator": f"megatrace {__version__}", "source": str(trace.path), "format": _format_name(trace),
-             "job_id": trace.job_id, "world_size": trace.world_size, "t0_ns": t0,
-             "end_us": (end_ns - t0) / 1000, "records": n, "clock": clock_method,
-             "completion_times": trace.completion_times,
-             "size_unit": "elements (the NCCL patch logs counts)" if counts else "bytes",
-             "pid": "rank + 1", "missing_ranks": list(trace.missing_ranks)}
+        chunk = _chunk_columns(trace, ix, te, t0, lay, slice(lo, min(n, lo + CHUNK_ROWS)))
+        out.events_out(_chunk_events(chunk, parts_of, size_key, stats))
+    other = _other_data(trace, t0, end_ns, clock_method, counts)
     out.raw('\n],"displayTimeUnit":"ms","otherData":' + json.dumps(other, ensure_ascii=False) + "}\n")
     stats.events = out.events
     return stats
 
 
 def _format_name(trace: Any) -> str:
-    from megatrace.load.importers import FORMATS
-
-    return trace.job_id if trace.job_id in FORMATS and trace.job_id != "auto" else "rings"
+    return trace.source_format
 
 
-def export_trace(trace_dir: str | os.PathLike[str], out: str | os.PathLike[str],
-                 format: str = "auto") -> ExportStats:  # noqa: A002 - load_trace's format
-    """Load ``trace_dir`` (any format), match it and write every record to ``out`` (see the module docstring).
+def write_trace_file(out: str | os.PathLike[str], load: Callable[[], tuple[Any, Any, Any]]) -> ExportStats:
+    """Write a trace to ``out`` (see the module docstring): ``load()`` gives (trace, its record index, its clock
+    alignment), called once the output is open (so that an unwritable ``out`` fails before the trace is read).
 
-    Nothing is written into ``trace_dir`` (no analysis runs: loading, matching and clock alignment are all
-    the export needs). A name ending in ``.gz`` is written gzipped. The file appears whole or not at all
+    A name ending in ``.gz`` is written gzipped. The file appears whole or not at all
     (:func:`megatrace.files.atomic_output`: written beside ``out`` and renamed over it; a FIFO or device
-    of root or this user, e.g. ``/dev/stdout``, is written in place; another user's link or FIFO never). Raises :class:`ExportError` when ``out`` cannot be written (checked before the
-    trace is loaded) and what :func:`~megatrace.load.load_trace` raises for an unreadable trace.
+    of root or this user, e.g. ``/dev/stdout``, is written in place; another user's link or FIFO never).
+    Raises :class:`ExportError` when ``out`` cannot be written, and what ``load`` raises.
     """
-    from megatrace.analyze.clock import align_clocks
-    from megatrace.analyze.index import index_records
-    from megatrace.load import load_trace
-    from megatrace.load.traceset import TraceLoadError
-
     t_start = time.perf_counter()
     path = Path(out)
     stage = "open"  # an OSError before the trace is read, or once it is written, is about the output file
@@ -502,11 +543,7 @@ def export_trace(trace_dir: str | os.PathLike[str], out: str | os.PathLike[str],
                 fh: IO[str] = gzip.open(raw, "wt", encoding="utf-8", compresslevel=GZIP_LEVEL)  # noqa: SIM115
             else:
                 fh = io.TextIOWrapper(raw, encoding="utf-8")
-            trace = load_trace(trace_dir, format=format)
-            if not len(trace.records):
-                raise TraceLoadError(f"{trace_dir}: no records to export")
-            ix = index_records(trace)
-            clock = align_clocks(trace, ix, in_place=True)
+            trace, ix, clock = load()
             stats = write_trace(trace, ix, clock.t_enqueue, clock.t_complete, fh, str(path), clock.method)
             stage = "close"
             if isinstance(fh, io.TextIOWrapper):

@@ -73,71 +73,100 @@ def _phase_index(phase: str) -> int:
 
 def simulate(layout: Layout, steps: int, faults: list[FaultSpec], costs: StepCosts, layers: int) -> Classes:
     """Run ``steps`` training steps of ``layout`` with ``faults``; see the module docstring."""
-    tp, pp = layout.tp, layout.pp
+    sim = _Simulation(layout, _replica_classes(layout, faults), _FaultTable(faults), costs, layers)
+    while sim.ready:
+        sim.run(sim.ready.popleft(), steps)
+    return Classes(sim.replicas, [[r.out for r in cls] for cls in sim.ranks], sim.done)
+
+
+def _replica_classes(layout: Layout, faults: list[FaultSpec]) -> list[list[int]]:
+    """The DP replicas each class stands for: every replica without a fault in one, each other one alone."""
     faulty = sorted({layout.coords(r).dp for f in faults for r in (f.ranks if isinstance(f, SlowLinkFault)
                                                                     else (f.rank,))})
     normal = [d for d in range(layout.dp) if d not in set(faulty)]
-    replicas = ([normal] if normal else []) + [[d] for d in faulty]
-    n_classes = len(replicas)
-    programs = [stage_program(layout, s, costs, layers) for s in range(pp)]
-    slow: dict[int, list[SlowFault]] = defaultdict(list)
-    hang: dict[int, HangFault] = {}
-    commhang: dict[int, CommHangFault] = {}
-    crash: dict[int, CrashFault] = {}
-    link_ms: dict[tuple[int, int], float] = defaultdict(float)
-    for f in faults:
-        if isinstance(f, SlowFault):
-            slow[f.rank].append(f)
-        elif isinstance(f, HangFault):
-            hang.setdefault(f.rank, f)
-        elif isinstance(f, CommHangFault):
-            commhang.setdefault(f.rank, f)
-        elif isinstance(f, CrashFault):
-            crash.setdefault(f.rank, f)
-        elif isinstance(f, SlowLinkFault):
-            link_ms[tuple(sorted(f.ranks))] += f.delay_ms
-    ranks = [[_Rank(c, s * tp + t, s, layout.rank_of(s, reps[0], t)) for s in range(pp) for t in range(tp)]
-             for c, reps in enumerate(replicas)]
-    enq: dict[tuple, list[float]] = defaultdict(list)
-    done: dict[tuple, float] = {}
-    never: set[tuple] = set()  # instances a commhang keeps from completing
-    waiters: dict[tuple, list[_Rank]] = defaultdict(list)
-    ready: deque[_Rank] = deque(r for cls in ranks for r in cls)
+    return ([normal] if normal else []) + [[d] for d in faulty]
 
-    def members(key: tuple) -> int:
-        return {"tp": tp, "dp": n_classes}.get(key[0], 2)
 
-    def cost(key: tuple) -> float:
-        if key[0] == "tp":
-            return costs.tp_ms
-        if key[0] == "dp":
-            return costs.dp_ms
-        _, c, src, dst, _n = key
-        a, b = ranks[c][src].rank, ranks[c][dst].rank
-        return costs.p2p_ms + link_ms.get((min(a, b), max(a, b)), 0.0)
+class _FaultTable:
+    """The faults by rank (the first of each kind but slowdowns, which multiply), and slow links' delays."""
 
-    def factor(r: _Rank) -> float:
+    def __init__(self, faults: list[FaultSpec]) -> None:
+        self.slow: dict[int, list[SlowFault]] = defaultdict(list)
+        self.hang: dict[int, HangFault] = {}
+        self.commhang: dict[int, CommHangFault] = {}  # (an entry is removed once its collective is entered)
+        self.crash: dict[int, CrashFault] = {}
+        self.link_ms: dict[tuple[int, int], float] = defaultdict(float)
+        for f in faults:
+            if isinstance(f, SlowFault):
+                self.slow[f.rank].append(f)
+            elif isinstance(f, HangFault):
+                self.hang.setdefault(f.rank, f)
+            elif isinstance(f, CommHangFault):
+                self.commhang.setdefault(f.rank, f)
+            elif isinstance(f, CrashFault):
+                self.crash.setdefault(f.rank, f)
+            elif isinstance(f, SlowLinkFault):
+                self.link_ms[tuple(sorted(f.ranks))] += f.delay_ms
+
+    def factor(self, r: _Rank) -> float:
+        """How much slower rank ``r`` computes in its current step."""
         out = 1.0
-        for f in slow.get(r.rank, ()):
+        for f in self.slow.get(r.rank, ()):
             if r.step >= f.from_step:
                 out *= f.factor
         return out
 
-    def enter(r: _Rank, item: Item) -> list[tuple]:
+
+class _Simulation:
+    """The event simulation's state: every class rank, the calls' arrivals and completions, who waits on what."""
+
+    def __init__(self, layout: Layout, replicas: list[list[int]], faults: _FaultTable, costs: StepCosts,
+                 layers: int) -> None:
+        tp, pp = layout.tp, layout.pp
+        self.tp, self.replicas, self.faults, self.costs = tp, replicas, faults, costs
+        self.programs = [stage_program(layout, s, costs, layers) for s in range(pp)]
+        self.ranks = [[_Rank(c, s * tp + t, s, layout.rank_of(s, reps[0], t)) for s in range(pp) for t in range(tp)]
+                      for c, reps in enumerate(replicas)]
+        self.enq: dict[tuple, list[float]] = defaultdict(list)
+        self.done: dict[tuple, float] = {}
+        self.never: set[tuple] = set()  # instances a commhang keeps from completing
+        self.waiters: dict[tuple, list[_Rank]] = defaultdict(list)
+        self.ready: deque[_Rank] = deque(r for cls in self.ranks for r in cls)
+
+    def members(self, key: tuple) -> int:
+        return {"tp": self.tp, "dp": len(self.replicas)}.get(key[0], 2)
+
+    def cost(self, key: tuple) -> float:
+        if key[0] == "tp":
+            return self.costs.tp_ms
+        if key[0] == "dp":
+            return self.costs.dp_ms
+        _, c, src, dst, _n = key
+        a, b = self.ranks[c][src].rank, self.ranks[c][dst].rank
+        return self.costs.p2p_ms + self.faults.link_ms.get((min(a, b), max(a, b)), 0.0)
+
+    def call_key(self, r: _Rank, kind: str, to: int) -> tuple:
+        """The key of rank ``r``'s next call of ``kind`` (``to``: a p2p call's neighbour stage), counted."""
+        if kind == "tp":
+            key: tuple = ("tp", r.c, r.stage, r.counters["tp"])
+            r.counters["tp"] += 1
+        elif kind == "dp":
+            key = ("dp", r.li, r.counters["dp"])
+            r.counters["dp"] += 1
+        else:
+            other = r.li + to * self.tp
+            src, dst = (r.li, other) if kind == "send" else (other, r.li)
+            n = r.counters[(src, dst)]
+            r.counters[(src, dst)] += 1
+            key = ("p2p", r.c, src, dst, n)
+        return key
+
+    def enter(self, r: _Rank, item: Item) -> list[tuple]:
+        """Rank ``r`` enters the calls of ``item``: recorded, and completed where it was the last to arrive."""
         keys = []
+        commhang = self.faults.commhang
         for k, op in enumerate(item.ops):
-            if op.kind == "tp":
-                key: tuple = ("tp", r.c, r.stage, r.counters["tp"])
-                r.counters["tp"] += 1
-            elif op.kind == "dp":
-                key = ("dp", r.li, r.counters["dp"])
-                r.counters["dp"] += 1
-            else:
-                other = r.li + op.to * tp
-                src, dst = (r.li, other) if op.kind == "send" else (other, r.li)
-                n = r.counters[(src, dst)]
-                r.counters[(src, dst)] += 1
-                key = ("p2p", r.c, src, dst, n)
+            key = self.call_key(r, op.kind, op.to)
             t = r.clock + k * EPS_MS
             out = r.out
             out.kind.append(KINDS.index(op.kind))
@@ -147,18 +176,20 @@ def simulate(layout: Layout, steps: int, faults: list[FaultSpec], costs: StepCos
             out.key.append(key)
             if op.kind in ("tp", "dp") and r.rank in commhang and r.step >= commhang[r.rank].step:
                 del commhang[r.rank]  # its first collective from that step on never returns
-                never.add(key)
-            arrivals = enq[key]
+                self.never.add(key)
+            arrivals = self.enq[key]
             arrivals.append(t)
-            if len(arrivals) == members(key) and key not in never:
-                done[key] = max(arrivals) + cost(key)
-                ready.extend(waiters.pop(key, ()))
+            if len(arrivals) == self.members(key) and key not in self.never:
+                self.done[key] = max(arrivals) + self.cost(key)
+                self.ready.extend(self.waiters.pop(key, ()))
             keys.append(key)
         return keys
 
-    def run(r: _Rank) -> None:
+    def run(self, r: _Rank, steps: int) -> None:
+        """Run rank ``r`` until it waits for a call not completed, stops (hang, crash) or ends ``steps`` steps."""
+        crash, hang = self.faults.crash, self.faults.hang
         while r.step < steps and not r.out.stopped:
-            prog = programs[r.stage]
+            prog = self.programs[r.stage]
             if r.idx == len(prog):  # the step's end
                 if r.armed:
                     r.out.stopped = "hang"
@@ -173,22 +204,18 @@ def simulate(layout: Layout, steps: int, faults: list[FaultSpec], costs: StepCos
             if h is not None and (r.step, _phase_index(item.phase)) >= (h.step, PHASES.index(h.phase)):
                 r.armed = True
             if item.what == "compute":
-                r.clock += item.ms * factor(r)
+                r.clock += item.ms * self.faults.factor(r)
                 r.idx += 1
                 continue
             if r.pending is None:
                 if r.armed:
                     r.out.stopped = "hang"
                     return
-                r.pending = enter(r, item)
-            missing = [k for k in r.pending if k not in done]
+                r.pending = self.enter(r, item)
+            missing = [k for k in r.pending if k not in self.done]
             if missing:
-                waiters[missing[0]].append(r)
+                self.waiters[missing[0]].append(r)
                 return
-            r.clock = max(done[k] for k in r.pending)
+            r.clock = max(self.done[k] for k in r.pending)
             r.pending = None
             r.idx += 1
-
-    while ready:
-        run(ready.popleft())
-    return Classes(replicas, [[r.out for r in cls] for cls in ranks], done)

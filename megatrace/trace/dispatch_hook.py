@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatrace.errors import MegatraceError
 from megatrace.trace import ring_format as fmt
 
 HERE = Path(__file__).resolve().parent
@@ -77,7 +78,7 @@ HOOK_SPECS: dict[str, HookSpec] = {
 }
 
 
-class HookUnavailable(RuntimeError):
+class HookUnavailable(MegatraceError, RuntimeError):
     """The native hook cannot be used here; the message says why and what to do."""
 
 

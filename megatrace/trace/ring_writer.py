@@ -20,12 +20,13 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrace.errors import MegatraceError
 from megatrace.files import create_private, move_aside, private_dir
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.warnings import warn_once
 
 
-class RingOpenError(OSError):
+class RingOpenError(MegatraceError, OSError):
     """The ring file could not be created; the message names the path and the reason."""
 
 

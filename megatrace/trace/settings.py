@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrace import names
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.warnings import warn_once
 
@@ -56,8 +57,7 @@ class TracerSettings:
                     records = rounded
         directory = env.get(DIR)
         if not directory:
-            name = f"{job}.{step}" if step else job
-            directory = str(default_base() / _safe(name))
+            directory = str(default_base() / names.ring_dir_name(job, step))
         return cls(Path(directory), job, step, records)
 
 
@@ -69,10 +69,4 @@ def default_base(uid: int | None = None) -> Path:
     plugin sets ``MEGATRACE_DIR`` to the node directory root made for the job.
     """
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"megatrace-{os.geteuid() if uid is None else uid}"
-
-
-def _safe(name: str) -> str:
-    """A path component from job/step ids: no separators, no dot-dot."""
-    cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-    return cleaned.strip(".") or "job"
+    return base / names.user_base_name(os.geteuid() if uid is None else uid)

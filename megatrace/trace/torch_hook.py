@@ -159,7 +159,7 @@ class Tracer:
             self.resolve(None)
         except Exception as exc:  # noqa: BLE001
             warn_once("meta", f"cannot record process facts: {exc!r}")
-        try:  # the trainer's arguments and config files, parsed at analysis time (megatrace.jobconfig)
+        try:  # the trainer's arguments and config files, parsed at analysis time (megatrace.analyze.jobconfig)
             writer.write_meta("job_inputs", **job_inputs(sys.argv))
         except Exception as exc:  # noqa: BLE001
             warn_once("job-inputs", f"cannot record the job's configuration: {exc!r}")

@@ -232,37 +232,8 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
         if r.rank in seen:
             raise ImportFormatError(f"{r.path}: rank {r.rank} also comes from {seen[r.rank].path}; one file per rank")
         seen[r.rank] = r
-    lines = {g["gid"]: g for r in ranks for g in r.groups}  # (one line per group: members are read once)
-    named = max((max(g.get("ranks") or (-1,)) for g in lines.values()), default=-1)
-    world = max(world_size or 0, ranks[-1].rank + 1, named + 1)  # every rank a file or a group names
-    world_source = (f"{source}: the highest rank its files and groups name" if world > (world_size or 0) else
-                    f"{source}: the layout it was read with")
-    if world_size is None:
-        known = layout
-        if known is None and (directory / "layout.yaml").exists():
-            try:
-                known = load_layout(directory / "layout.yaml")
-            except LayoutError:
-                known = None  # reported by resolve_layout below
-        if known is not None and known.world_size > world:
-            world, world_source = known.world_size, f"{source}: the layout's world size"
-    columns = RecordColumns(sum(len(r) for r in ranks))
-    infos: list[RankInfo] = []
-    metas: dict[int, list[dict]] = {}
-    used: dict[int, set[int]] = {}
-    for r in ranks:
-        recs = np.zeros(len(r), dtype=[(n, dt) for n, dt in COLUMNS.items() if n != "rank"])
-        for name in recs.dtype.names:
-            recs[name] = r.columns[name]
-        columns.append(r.rank, recs)
-        infos.append(RankInfo(r.rank, r.host, -1, r.pid, r.path, source, "", r.closed_cleanly, len(r), r.dropped,
-                              0, 0, 0))
-        metas[r.rank] = list(r.groups) + list(extra_groups or ())
-        declared = {g["gid"] for g in metas[r.rank]}
-        keyed = r.columns["op"] < Op.MARK_STEP
-        for gid in np.unique(r.columns["group_id"][keyed]).tolist():
-            if gid not in declared and gid != 0:
-                used.setdefault(int(gid), set()).add(r.rank)
+    world, world_source = _world_size(directory, source, ranks, world_size, layout)
+    columns, infos, metas, used = _rank_columns(source, ranks, extra_groups)
     empty = [i.rank for i in infos if i.n_records == 0]
     if empty:
         problems.append(LoadProblem("warning", "empty-ring", f"{plural(len(empty), 'rank')} without records: ranks "
@@ -270,8 +241,9 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
     present = [i.rank for i in infos]
     missing = tuple(sorted(set(range(world)) - set(present)))
     if missing:  # (confidences are scaled by the fraction present, as for rings)
-        problems.append(LoadProblem("warning", "missing-ranks", f"{source}: nothing from {plural(len(missing), 'rank')} "
-                                    f"of {world} ({rank_list(list(missing))})", ranks=missing))
+        problems.append(LoadProblem("warning", "missing-ranks", f"{source}: nothing from "
+                                    f"{plural(len(missing), 'rank')} of {world} ({rank_list(list(missing))})",
+                                    ranks=missing))
     starts = np.concatenate([[0], np.cumsum([i.n_records for i in infos])]).astype(np.int64)
     found: list[LoadProblem] = []
     groups = merge_groups(metas, used, found)
@@ -295,8 +267,52 @@ def build_traceset(directory: Path, source: str, ranks: list[ImportedRank], worl
     return TraceSet(path=directory, job_id=source, world_size=world, ranks=np.array(present, dtype=np.int64),
                     rank_info=infos, starts=starts, records=columns.finish(), groups=groups, layout=fitted,
                     facts=node_facts(directory, problems), problems=problems, missing_ranks=missing, tail=None,
-                    meta=metas, imported=source, world_source=world_source,
+                    meta=metas, source_format=source, world_source=world_source,
                     completion_times=completions if inferred else "observed")
+
+
+def _world_size(directory: Path, source: str, ranks: list[ImportedRank], world_size: int | None,
+                layout: Layout | None) -> tuple[int, str]:
+    """The world size of :func:`build_traceset` (``ranks`` sorted) and where it came from."""
+    lines = {g["gid"]: g for r in ranks for g in r.groups}  # (one line per group: members are read once)
+    named = max((max(g.get("ranks") or (-1,)) for g in lines.values()), default=-1)
+    world = max(world_size or 0, ranks[-1].rank + 1, named + 1)  # every rank a file or a group names
+    world_source = (f"{source}: the highest rank its files and groups name" if world > (world_size or 0) else
+                    f"{source}: the layout it was read with")
+    if world_size is None:
+        known = layout
+        if known is None and (directory / "layout.yaml").exists():
+            try:
+                known = load_layout(directory / "layout.yaml")
+            except LayoutError:
+                known = None  # reported by resolve_layout below
+        if known is not None and known.world_size > world:
+            world, world_source = known.world_size, f"{source}: the layout's world size"
+    return world, world_source
+
+
+def _rank_columns(source: str, ranks: list[ImportedRank], extra_groups: list[dict] | None
+                  ) -> tuple[RecordColumns, list[RankInfo], dict[int, list[dict]], dict[int, set[int]]]:
+    """The ranks' rows in columns, their :class:`RankInfo`, meta lines (group lines plus ``extra_groups``) and
+    the groups used in records without a line (gid -> ranks that used it)."""
+    columns = RecordColumns(sum(len(r) for r in ranks))
+    infos: list[RankInfo] = []
+    metas: dict[int, list[dict]] = {}
+    used: dict[int, set[int]] = {}
+    for r in ranks:
+        recs = np.zeros(len(r), dtype=[(n, dt) for n, dt in COLUMNS.items() if n != "rank"])
+        for name in recs.dtype.names:
+            recs[name] = r.columns[name]
+        columns.append(r.rank, recs)
+        infos.append(RankInfo(r.rank, r.host, -1, r.pid, r.path, source, "", r.closed_cleanly, len(r), r.dropped,
+                              0, 0, 0))
+        metas[r.rank] = list(r.groups) + list(extra_groups or ())
+        declared = {g["gid"] for g in metas[r.rank]}
+        keyed = r.columns["op"] < Op.MARK_STEP
+        for gid in np.unique(r.columns["group_id"][keyed]).tolist():
+            if gid not in declared and gid != 0:
+                used.setdefault(int(gid), set()).add(r.rank)
+    return columns, infos, metas, used
 
 
 def _layout_groups(groups: dict[int, GroupInfo], layout: Layout | None) -> None:

@@ -162,6 +162,31 @@ def find_files(directory: Path) -> list[Path]:
     return []
 
 
+def _global_ranks(per_file: dict[Path, list[tuple]], world: int) -> dict[Path, int]:
+    """Each file's global rank: from its name, else from its one communicator of all ``world`` ranks."""
+    global_rank: dict[Path, int] = {}
+    for path, recs in per_file.items():
+        in_world = {r[1] for r in recs if r[2] == world}
+        named = TRAILING_RANK.search(path.name)
+        if named and int(named.group(1)) >= MAX_RANKS:
+            raise ImportFormatError(f"{path}: rank {named.group(1)} (from the file name): expected a rank below "
+                                    f"{MAX_RANKS}")
+        if named:
+            global_rank[path] = int(named.group(1))
+        elif len(in_world) == 1:
+            global_rank[path] = in_world.pop()
+        else:
+            raise ImportFormatError(f"{path}: cannot tell this process's global rank (no communicator of all "
+                                    f"{world} ranks in it, and no rank at the end of the file name): rename the "
+                                    f"files <name>-rank<R>.log")
+    seen: dict[int, Path] = {}
+    for path, rank in global_rank.items():
+        if rank in seen:
+            raise ImportFormatError(f"{path}: global rank {rank} also comes from {seen[rank]}")
+        seen[rank] = path
+    return global_rank
+
+
 def load_inspector(directory: Path, layout: Layout | None = None) -> TraceSet:
     """Every NCCL Inspector file in ``directory`` (or one level below) as a :class:`TraceSet`."""
     files = find_files(directory)
@@ -186,26 +211,7 @@ def load_inspector(directory: Path, layout: Layout | None = None) -> TraceSet:
         raise ImportFormatError(f"{directory}: NCCL Inspector files without any coll_perf record")
     widest = max(r[2] for recs in per_file.values() for r in recs)
     world = max(widest, layout.world_size if layout is not None else 0, len(per_file))
-    global_rank: dict[Path, int] = {}
-    for path, recs in per_file.items():
-        in_world = {r[1] for r in recs if r[2] == world}
-        named = TRAILING_RANK.search(path.name)
-        if named and int(named.group(1)) >= MAX_RANKS:
-            raise ImportFormatError(f"{path}: rank {named.group(1)} (from the file name): expected a rank below "
-                                    f"{MAX_RANKS}")
-        if named:
-            global_rank[path] = int(named.group(1))
-        elif len(in_world) == 1:
-            global_rank[path] = in_world.pop()
-        else:
-            raise ImportFormatError(f"{path}: cannot tell this process's global rank (no communicator of all "
-                                    f"{world} ranks in it, and no rank at the end of the file name): rename the "
-                                    f"files <name>-rank<R>.log")
-    seen: dict[int, Path] = {}
-    for path, rank in global_rank.items():
-        if rank in seen:
-            raise ImportFormatError(f"{path}: global rank {rank} also comes from {seen[rank]}")
-        seen[rank] = path
+    global_rank = _global_ranks(per_file, world)
     # communicator members: global rank at each comm rank
     members: dict[str, dict[int, int]] = {}
     sizes: dict[str, int] = {}

@@ -168,7 +168,7 @@ def merge_job_logs(trace: TraceSet, paths: Sequence[Path]) -> None:
     process facts, which the hang analysis names them by). Facts the trace already holds (``procs.json``) win;
     ranks with rings get only process facts they lack. Not read when every rank has a ring; a file that cannot
     be read is a ``job-log`` problem, never an error."""
-    if trace.imported == NAME:
+    if trace.source_format == NAME:
         return
     names = ", ".join(p.name for p in paths)
     if not trace.missing_ranks:

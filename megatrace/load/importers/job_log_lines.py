@@ -203,6 +203,26 @@ def _elastic_field(log: JobLog, n: int, key: str, value: str) -> None:
 
 
 def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: dict[int | None, bool]) -> None:
+    prefixed, text = _strip_prefixes(text)
+    f = ELASTIC_FIELD.match(text) if prefixed is None else None
+    if f:
+        _elastic_field(log, n, f.group("key"), f.group("value").strip())
+        return
+    if _job_line(log, n, text):
+        return
+    tag = PG_TAG.search(text)
+    local = int(tag.group("rank")) if tag and (not tag.group("pg") or _default(tag)) else None
+    who = prefixed if prefixed is not None else local if local is not None else file_rank
+    if who is None:
+        return
+    if who >= (1 << 20):
+        return
+    if _rank_line(log.rank(who, n), who, n, text, tag, in_traceback):
+        log.matched += 1
+
+
+def _strip_prefixes(text: str) -> tuple[int | None, str]:
+    """The rank a line's prefixes name (None: none does) and the line without them."""
     prefixed = None
     for _ in range(4):  # prefixes stack ("[default0]:[rank0]: ...")
         m = RANK_PREFIX.match(text) or SRUN_LABEL.match(text)
@@ -213,10 +233,11 @@ def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: d
             if not m:
                 break
         text = text[m.end():]
-    f = ELASTIC_FIELD.match(text) if prefixed is None else None
-    if f:
-        _elastic_field(log, n, f.group("key"), f.group("value").strip())
-        return
+    return prefixed, text
+
+
+def _job_line(log: JobLog, n: int, text: str) -> bool:
+    """A line about the job or its tasks (srun, Slurm, the OOM killer), noted in ``log``; False: not one."""
     s = SRUN_TASKS.match(text)
     if s:
         code = EXIT_CODE.search(s.group("what"))
@@ -224,29 +245,27 @@ def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: d
         log.exits.append(TaskExit(n, s.group("node"), task_list(s.group("tasks")), what,
                                   int(code.group(1)) if code else None))
         log.matched += 1
-        return
+        return True
     if STEP_STOP.match(text):
         log.stepping = log.stepping or n
         log.matched += 1
-        return
+        return True
     c = CANCELLED.search(text)
     if c:
         log.cancelled = (n, (c.group("why") or "cancelled").strip().lower())
         log.stepping = log.stepping or n
         log.matched += 1
-        return
+        return True
     if OOM.search(text) and not text.startswith("srun: error:") and "error:" in text:
         log.oom.append((n, text.strip()[:300]))
         log.matched += 1
-        return
-    tag = PG_TAG.search(text)
-    local = int(tag.group("rank")) if tag and (not tag.group("pg") or _default(tag)) else None
-    who = prefixed if prefixed is not None else local if local is not None else file_rank
-    if who is None:
-        return
-    if who >= (1 << 20):
-        return
-    rank = log.rank(who, n)
+        return True
+    return False
+
+
+def _rank_line(rank: RankLog, who: int, n: int, text: str, tag: re.Match | None,
+               in_traceback: dict[int | None, bool]) -> bool:
+    """A line of rank ``who`` (watchdog, NCCL warning, traceback), noted in ``rank``; False: nothing in it."""
     matched = True
     w = WORK.search(text)
     last = LAST.search(text)
@@ -295,5 +314,4 @@ def _line(log: JobLog, n: int, text: str, file_rank: int | None, in_traceback: d
             rank.event(n, "exception", text.strip())
     else:
         matched = False
-    if matched:
-        log.matched += 1
+    return matched

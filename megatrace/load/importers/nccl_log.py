@@ -19,7 +19,8 @@ with an optional trailing `` groupHash <int>`` in newer builds. Facts that shape
   groups (``config.yaml``: ``TP``, ``PP``, ``world_size``; Megatron order) by call volume (TP calls
   more often than DP: Megatron's pattern) when both have more than one rank;
 * a send/recv on a communicator of more than two ranks (a Megatron pipeline group) names no peer: the
-  peer and the pairing are inferred from the call sequences of adjacent stages (:func:`megatrace.load.importers.nccl_log_peers.p2p_partners`);
+  peer and the pairing are inferred from the call sequences of adjacent stages
+  (:func:`megatrace.load.importers.nccl_log_peers.p2p_partners`);
 * completion is inferred: a collective is complete when every member enqueued it (at its last arrival)
   and no member had an earlier call that could not complete (a GPU stream runs its work in order); a
   send/recv when both sides posted it. What a member never enqueued is what the others wait for: the
@@ -93,7 +94,31 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
         raise ImportFormatError(f"{paths[plain]}: no groupHash, while {paths[min(r for r, h in hashed.items() if h)]} "
                                 f"has them (logs of two NCCL builds mixed)")
 
-    # Communicator of every call: (key, members)
+    comm_of = _communicators(rank_calls, config, with_hash, problems)
+
+    # send/recv of communicators of 3+ ranks name no peer: inferred, knowing which logs ended early (from the
+    # collectives alone, whose places do not depend on the peers)
+    ranks, lines, _ = _columns(rank_calls, comm_of, {}, config, paths)
+    early = _ended_early(ranks, *_instances(ranks), dumps, None)
+    partners = p2p_partners(rank_calls, comm_of, config, early)
+    ranks, lines, names = _columns(rank_calls, comm_of, partners, config, paths)
+    ended = _infer_states(ranks, {gid: tuple(e["ranks"]) for gid, e in lines.items()}, dumps, problems)
+    n = sum(len(r) for r in ranks)
+    problems.append(LoadProblem("info", "imported", f"imported {plural(n, 'call')} of {plural(len(ranks), 'rank')} "
+                                f"from Megatrace NCCL logs (enqueue times only: completions inferred)"))
+    trace = build_traceset(directory, NAME, ranks, world, problems, config, names=names,
+                           inferred="the logs hold enqueue times only: completions were inferred from arrivals",
+                           completions="arrivals")
+    trace.rank_info = [dataclasses.replace(i, ended_early=True) if i.rank in ended else i for i in trace.rank_info]
+    if not with_hash:  # communicators inferred from streams: calls of different ones may have been joined
+        trace.groups = {gid: dataclasses.replace(g, assigned=len(g.ranks) > 1) for gid, g in trace.groups.items()}
+    return trace
+
+
+def _communicators(rank_calls: dict[int, list[tuple]], config: Layout | None, with_hash: bool,
+                   problems: list[LoadProblem]) -> dict[tuple[int, int], tuple[str, tuple[int, ...]]]:
+    """The communicator of every call: (rank, row) -> (key, members); from the groupHash where the logs carry
+    it, else inferred from each rank's streams."""
     comm_of: dict[tuple[int, int], tuple[str, tuple[int, ...]]] = {}  # (rank, row) -> ...
     if with_hash:
         users: dict[int, set[int]] = {}
@@ -123,24 +148,7 @@ def load_nccl_logs(directory: Path, layout: Layout | None = None) -> TraceSet:
             "info", "nccl-log-inferred", "the logs carry no groupHash: communicators were inferred from each rank's "
             "streams, the calls on them and the layout" + ("" if config is not None else " (no layout: only streams "
                                                            "every rank has are taken as world-wide)")))
-
-    # send/recv of communicators of 3+ ranks name no peer: inferred, knowing which logs ended early (from the
-    # collectives alone, whose places do not depend on the peers)
-    ranks, lines, _ = _columns(rank_calls, comm_of, {}, config, paths)
-    early = _ended_early(ranks, *_instances(ranks), dumps, None)
-    partners = p2p_partners(rank_calls, comm_of, config, early)
-    ranks, lines, names = _columns(rank_calls, comm_of, partners, config, paths)
-    ended = _infer_states(ranks, {gid: tuple(e["ranks"]) for gid, e in lines.items()}, dumps, problems)
-    n = sum(len(r) for r in ranks)
-    problems.append(LoadProblem("info", "imported", f"imported {plural(n, 'call')} of {plural(len(ranks), 'rank')} "
-                                f"from Megatrace NCCL logs (enqueue times only: completions inferred)"))
-    trace = build_traceset(directory, NAME, ranks, world, problems, config, names=names,
-                           inferred="the logs hold enqueue times only: completions were inferred from arrivals",
-                           completions="arrivals")
-    trace.rank_info = [dataclasses.replace(i, ended_early=True) if i.rank in ended else i for i in trace.rank_info]
-    if not with_hash:  # communicators inferred from streams: calls of different ones may have been joined
-        trace.groups = {gid: dataclasses.replace(g, assigned=len(g.ranks) > 1) for gid, g in trace.groups.items()}
-    return trace
+    return comm_of
 
 
 def _columns(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, int], tuple[str, tuple[int, ...]]],

@@ -91,18 +91,7 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
     are numbered in order, a pair sharing its number, an unmatched call a number of its own.
     """
     out: dict[tuple[int, int], tuple[int, int]] = {}
-    comms: dict[str, tuple[int, ...]] = {}
-    ops: dict[str, dict[int, list[int]]] = {}  # communicator -> rank -> rows of its send/recv
-    ends: dict[int, list[float]] = {}
-    for rank, calls in rank_calls.items():
-        mine = [comm_of[(rank, i)] for i in range(len(calls))]
-        for i, c in enumerate(calls):
-            ckey, members = mine[i]
-            if c[1] in ("Send", "Recv") and len(members) > 2:
-                comms[ckey] = members
-                ops.setdefault(ckey, {}).setdefault(rank, []).append(i)
-        if any(len(m) > 2 and c[1] in ("Send", "Recv") for c, (_, m) in zip(calls, mine)):
-            ends[rank] = _group_ends(calls, mine)
+    comms, ops, ends = _p2p_calls(rank_calls, comm_of)
     first_t = {r: calls[0][0] for r, calls in rank_calls.items() if calls}
     log_end = {r: calls[-1][0] for r, calls in rank_calls.items() if calls and r in (ended or {})}
     for ckey, members in comms.items():
@@ -121,34 +110,62 @@ def p2p_partners(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, in
             return t < first_t.get(rank, math.inf) - P2P_SKEW_NS or t > log_end.get(rank, math.inf) + P2P_SKEW_NS
 
         matched = _match_p2p(rank_calls, by_rank, ends, candidates, unseen)
-        last_t = {r: rank_calls[r][rows[-1]][0] for r, rows in by_rank.items()}
-        stuck_kind = {}  # rank -> the one kind of call left unpaired in its last group ("Send" or "Recv")
-        for r, rows in by_rank.items():
-            tail = [i for i in rows if rank_calls[r][i][4] == rank_calls[r][rows[-1]][4] and (r, i) not in matched]
-            kinds = {rank_calls[r][i][1] for i in tail}
-            if len(kinds) == 1:
-                stuck_kind[r] = kinds.pop()
-        peer_of: dict[tuple[int, int], int] = {}
-        for rank, rows in by_rank.items():
-            for i in rows:
-                if (rank, i) in matched:
-                    peer_of[(rank, i)] = matched[(rank, i)][0]
-                    continue
-                t, kind = rank_calls[rank][i][0], rank_calls[rank][i][1]
-                cands = [m for m in candidates(rank) if m != rank]
-                for step in ("not waiting alike", "silent after", "log starts after"):
-                    if len(cands) < 2:
-                        break
-                    if step == "not waiting alike":
-                        left = [m for m in cands if stuck_kind.get(m) != kind or rank not in candidates(m)]
-                    elif step == "silent after":
-                        left = [m for m in cands if last_t.get(m, -math.inf) < t]
-                    else:
-                        left = [m for m in cands if first_t.get(m, math.inf) > t]
-                    cands = left or cands
-                peer_of[(rank, i)] = cands[0] if len(cands) == 1 else -1
+        peer_of = _peers(rank_calls, by_rank, matched, candidates, first_t)
         out.update(_channel_places(rank_calls, by_rank, peer_of, matched))
     return out
+
+
+def _p2p_calls(rank_calls: dict[int, list[tuple]], comm_of: dict[tuple[int, int], tuple[str, tuple[int, ...]]]
+               ) -> tuple[dict[str, tuple[int, ...]], dict[str, dict[int, list[int]]], dict[int, list[float]]]:
+    """The send/recv calls on communicators of more than two ranks: communicator -> members, communicator ->
+    rank -> rows, and each rank with such calls -> :func:`_group_ends` of its calls."""
+    comms: dict[str, tuple[int, ...]] = {}
+    ops: dict[str, dict[int, list[int]]] = {}  # communicator -> rank -> rows of its send/recv
+    ends: dict[int, list[float]] = {}
+    for rank, calls in rank_calls.items():
+        mine = [comm_of[(rank, i)] for i in range(len(calls))]
+        for i, c in enumerate(calls):
+            ckey, members = mine[i]
+            if c[1] in ("Send", "Recv") and len(members) > 2:
+                comms[ckey] = members
+                ops.setdefault(ckey, {}).setdefault(rank, []).append(i)
+        if any(len(m) > 2 and c[1] in ("Send", "Recv") for c, (_, m) in zip(calls, mine)):
+            ends[rank] = _group_ends(calls, mine)
+    return comms, ops, ends
+
+
+def _peers(rank_calls: dict[int, list[tuple]], by_rank: dict[int, list[int]],
+           matched: dict[tuple[int, int], tuple[int, int]], candidates, first_t: dict[int, float]
+           ) -> dict[tuple[int, int], int]:  # noqa: ANN001 - candidates: rank -> ranks
+    """(rank, row) -> peer of every send/recv of one communicator: its partner's rank where ``matched``, else by
+    elimination among its candidates, or -1 (see :func:`p2p_partners`)."""
+    last_t = {r: rank_calls[r][rows[-1]][0] for r, rows in by_rank.items()}
+    stuck_kind = {}  # rank -> the one kind of call left unpaired in its last group ("Send" or "Recv")
+    for r, rows in by_rank.items():
+        tail = [i for i in rows if rank_calls[r][i][4] == rank_calls[r][rows[-1]][4] and (r, i) not in matched]
+        kinds = {rank_calls[r][i][1] for i in tail}
+        if len(kinds) == 1:
+            stuck_kind[r] = kinds.pop()
+    peer_of: dict[tuple[int, int], int] = {}
+    for rank, rows in by_rank.items():
+        for i in rows:
+            if (rank, i) in matched:
+                peer_of[(rank, i)] = matched[(rank, i)][0]
+                continue
+            t, kind = rank_calls[rank][i][0], rank_calls[rank][i][1]
+            cands = [m for m in candidates(rank) if m != rank]
+            for step in ("not waiting alike", "silent after", "log starts after"):
+                if len(cands) < 2:
+                    break
+                if step == "not waiting alike":
+                    left = [m for m in cands if stuck_kind.get(m) != kind or rank not in candidates(m)]
+                elif step == "silent after":
+                    left = [m for m in cands if last_t.get(m, -math.inf) < t]
+                else:
+                    left = [m for m in cands if first_t.get(m, math.inf) > t]
+                cands = left or cands
+            peer_of[(rank, i)] = cands[0] if len(cands) == 1 else -1
+    return peer_of
 
 
 def _slack(ns: float) -> float:

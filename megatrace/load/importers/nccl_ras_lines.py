@@ -160,22 +160,10 @@ def _read_text(path: Path, data: bytes) -> RasReport:
             total_row = s if s.lstrip().startswith("(total)") else total_row
             continue
         if section == "Job":
-            m = NUMS.match(s)
-            if m is None:
-                _ignore(rep, n, s)
-                continue
-            nums = m.group(1).split()
-            if total_row and len(nums) in (3, 5):  # (total) rows: 5 columns when consistent, else 3
-                rep.processes = where.decimal("processes", nums[3 if len(nums) == 5 else 1], 1, MAX_RANKS)
+            _job_line(rep, where, n, s, total_row)
             continue
         if section == "Communicators":
-            m = TABLE_ROW.match(s)
-            if m:
-                rep.sizes[where.decimal("group", m.group(1), 0, MAX_RANKS)] = where.decimal(
-                    "ranks per comm", m.group(5), 1, MAX_RANKS)
-            elif s.strip() not in ("Group     Comms     Nodes     Ranks     Ranks     Ranks    Status  Errors",
-                                   "No communicator data collected!") and not s.lstrip().startswith("#  in group"):
-                _ignore(rep, n, s)
+            _table_line(rep, where, n, s)
             continue
         if section not in ("Errors", "Warnings"):
             _ignore(rep, n, s)
@@ -191,18 +179,7 @@ def _read_text(path: Path, data: bytes) -> RasReport:
         if s in ("INCOMPLETE", "DEAD", "TIMEOUT"):
             comm, what = None, s
             continue
-        m = MISSING.match(s) or DEAD.match(s)
-        if m:
-            count = where.decimal("count", m.group(1), 1, MAX_RANKS)
-            if comm is None and what == "INCOMPLETE":
-                rep.n_missing = count
-            elif comm is None and what == "DEAD":
-                rep.n_dead = count
-            continue
-        m = PROC.match(s)
-        if m and comm is None and what in ("INCOMPLETE", "DEAD"):
-            p = Proc(where.decimal("pid", m.group(1), 0, 1 << 32), m.group(2), m.group(3), n)
-            (rep.dead if what == "DEAD" else rep.unreachable).append(p)
+        if _process_line(rep, where, n, s, comm, what):
             continue
         if comm is not None:
             m = DIFFERENT.match(s)
@@ -226,14 +203,60 @@ def _read_text(path: Path, data: bytes) -> RasReport:
             rep.timeouts = int(t.group(1)) if t else rep.timeouts
             continue
         _ignore(rep, n, s)
-    if not seen_comms:
-        raise ImportFormatError(f"{path}:{len(lines)}: the report ends before its 'Communicators...' section "
-                                f"(cut short? ncclras prints it after gathering the data, up to its timeout)")
-    if not seen_errors and rep.sizes:
-        raise ImportFormatError(f"{path}:{len(lines)}: the report ends before its 'Errors' section (cut short?)")
+    _check_sections(rep, len(lines), seen_comms, seen_errors)
     for c in rep.comms.values():
         c.size = max(c.size, max(c.ranks, default=-1) + 1)
     return rep
+
+
+def _job_line(rep: RasReport, where: Fields, n: int, s: str, total_row: str) -> None:
+    """A line of the ``Job summary``: the job's processes, from its ``(total)`` row."""
+    m = NUMS.match(s)
+    if m is None:
+        _ignore(rep, n, s)
+        return
+    nums = m.group(1).split()
+    if total_row and len(nums) in (3, 5):  # (total) rows: 5 columns when consistent, else 3
+        rep.processes = where.decimal("processes", nums[3 if len(nums) == 5 else 1], 1, MAX_RANKS)
+
+
+def _table_line(rep: RasReport, where: Fields, n: int, s: str) -> None:
+    """A line of the ``Communicators...`` table: the ranks per communicator of a group."""
+    m = TABLE_ROW.match(s)
+    if m:
+        rep.sizes[where.decimal("group", m.group(1), 0, MAX_RANKS)] = where.decimal(
+            "ranks per comm", m.group(5), 1, MAX_RANKS)
+    elif s.strip() not in ("Group     Comms     Nodes     Ranks     Ranks     Ranks    Status  Errors",
+                           "No communicator data collected!") and not s.lstrip().startswith("#  in group"):
+        _ignore(rep, n, s)
+
+
+def _process_line(rep: RasReport, where: Fields, n: int, s: str, comm: Comm | None, what: str) -> bool:
+    """A count of missing or dead processes, or a process of the ``INCOMPLETE`` or ``DEAD`` block outside a
+    communicator's; False: not such a line."""
+    m = MISSING.match(s) or DEAD.match(s)
+    if m:
+        count = where.decimal("count", m.group(1), 1, MAX_RANKS)
+        if comm is None and what == "INCOMPLETE":
+            rep.n_missing = count
+        elif comm is None and what == "DEAD":
+            rep.n_dead = count
+        return True
+    m = PROC.match(s)
+    if m and comm is None and what in ("INCOMPLETE", "DEAD"):
+        p = Proc(where.decimal("pid", m.group(1), 0, 1 << 32), m.group(2), m.group(3), n)
+        (rep.dead if what == "DEAD" else rep.unreachable).append(p)
+        return True
+    return False
+
+
+def _check_sections(rep: RasReport, last: int, seen_comms: bool, seen_errors: bool) -> None:
+    """A report cut short (its ``Communicators...`` or ``Errors`` section missing) is an error at its last line."""
+    if not seen_comms:
+        raise ImportFormatError(f"{rep.path}:{last}: the report ends before its 'Communicators...' section "
+                                f"(cut short? ncclras prints it after gathering the data, up to its timeout)")
+    if not seen_errors and rep.sizes:
+        raise ImportFormatError(f"{rep.path}:{last}: the report ends before its 'Errors' section (cut short?)")
 
 
 def _rank_line(comm: Comm, where: Fields, m: re.Match, what: str, func: str, value: int | None, n: int) -> None:

@@ -26,6 +26,7 @@ import io
 import pickle
 import pickletools
 
+from megatrace.errors import MegatraceError
 from megatrace.files import open_input_file
 
 MAX_BYTES = 1 << 30  # a dump above 1 GiB is not a Flight Recorder dump (default ring: 2,000 entries)
@@ -44,7 +45,7 @@ ALLOWED_OPCODES = frozenset({
 PLAIN_TYPES = (dict, list, tuple, set, frozenset, str, bytes, bytearray, int, float, bool, type(None))
 
 
-class UnsafePickleError(ValueError):
+class UnsafePickleError(MegatraceError, ValueError):
     """The pickle holds something other than plain data, or is not a readable pickle; names the file."""
 
 

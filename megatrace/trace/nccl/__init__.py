@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatrace.errors import MegatraceError
 from megatrace.trace.nccl.build import HERE, LIBRARY, compile_interposer
 
 __all__ = ["LIBRARY", "InterposerMissing", "build", "library_path"]
 
 
-class InterposerMissing(FileNotFoundError):
+class InterposerMissing(MegatraceError, FileNotFoundError):
     """``libmegatrace_nccl.so`` was not built; the message says how to build it."""
 
 

@@ -128,7 +128,7 @@ static void safe_component(const char *in, char *out, size_t size)
         out[n++] = ok ? c : '_';
     }
     out[n] = 0;
-    /* strip leading and trailing dots, as settings._safe does */
+    /* strip leading and trailing dots, as megatrace/names.py ring_dir_name does */
     while (n && out[n - 1] == '.')
         out[--n] = 0;
     size_t lead = strspn(out, ".");

@@ -25,8 +25,9 @@ from typing import Any
 import yaml
 
 from megatrace.config import read_yaml
+from megatrace.errors import MegatraceError
 from megatrace.files import write_atomic
-from megatrace.jobconfig.model import (BATCH_FIELDS, CLUSTER_FIELDS, FEATURE_FIELDS, PARALLEL_FIELDS, JobConfig)
+from megatrace.analyze.jobconfig.model import (BATCH_FIELDS, CLUSTER_FIELDS, FEATURE_FIELDS, PARALLEL_FIELDS, JobConfig)
 
 SCHEMA = "megatrace.job"
 VERSION = 1
@@ -34,7 +35,7 @@ SECTIONS = {"parallel": PARALLEL_FIELDS, "batch": BATCH_FIELDS, "features": FEAT
             "cluster": CLUSTER_FIELDS}
 
 
-class JobFileError(ValueError):
+class JobFileError(MegatraceError, ValueError):
     """A job.yaml that cannot be read; the message names the file."""
 
 

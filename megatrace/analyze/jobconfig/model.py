@@ -56,7 +56,7 @@ class Issue:
 
 @dataclass
 class JobConfig:
-    """Everything known about the job's configuration; see :func:`megatrace.jobconfig.build_job_config`."""
+    """Everything known about the job's configuration; see :func:`megatrace.analyze.jobconfig.build_job_config`."""
 
     offered: dict[str, list[Value]] = field(default_factory=dict)
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> {node, local_rank, gpu, gpu_source}

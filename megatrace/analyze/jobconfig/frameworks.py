@@ -33,7 +33,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from megatrace.jobconfig.model import JobConfig
+from megatrace.analyze.jobconfig.model import JobConfig
 
 # Megatron-LM integer arguments -> job field.
 MEGATRON_INTS = {

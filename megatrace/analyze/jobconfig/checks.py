@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatrace.config import SCHEDULES, Layout, LayoutError
-from megatrace.jobconfig.groups import Inference
-from megatrace.jobconfig.model import KINDS, JobConfig, Value
+from megatrace.analyze.jobconfig.groups import Inference
+from megatrace.analyze.jobconfig.model import KINDS, JobConfig, Value
 
 SIZES = ("tp", "pp", "dp", "cp", "ep")
 
@@ -45,7 +45,7 @@ def derive(job: JobConfig) -> None:
 
 
 def check(job: JobConfig, inference: Inference) -> None:
-    """Add an :class:`~megatrace.jobconfig.model.Issue` for each inconsistency (see the module docstring)."""
+    """Add an :class:`~megatrace.analyze.jobconfig.model.Issue` for each inconsistency (see the module docstring)."""
     world = job.chosen("world_size")
     sizes = {n: job.chosen(n) for n in ("tp", "pp", "dp", "cp")}
     if world is not None and sizes["dp"] is not None and sizes["dp"].kind != "derived" \

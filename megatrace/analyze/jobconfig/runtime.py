@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from megatrace.jobconfig.model import JobConfig
+from megatrace.analyze.jobconfig.model import JobConfig
 
 # Communication settings recorded in job.yaml (the rules engine compares them across ranks).
 NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")

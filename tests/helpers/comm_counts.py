@@ -20,7 +20,7 @@ from pathlib import Path
 from megatrace.trace.ring_format import Op
 from megatrace.trace.ring_reader import read_meta, read_ring
 
-REFERENCE_DIR = Path(__file__).parent / "programs" / "reference"
+REFERENCE_DIR = Path(__file__).resolve().parent.parent / "programs" / "reference"
 P2P = ("send", "recv")
 GLOO_RUNS_AS = {"reduce_scatter": "all_reduce"}  # ring label -> the op gloo's own records name
 

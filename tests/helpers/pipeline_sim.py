@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analysis_factory import Rec, TraceBuilder
+from helpers.analysis_factory import Rec, TraceBuilder
 
 from megatrace.config import Layout
 from megatrace.schedule import exchange_blocks, one_f_one_b

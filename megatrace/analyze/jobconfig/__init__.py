@@ -17,10 +17,10 @@ and the consistency issues. :func:`job_layout` turns it into the
 ``build``       the whole thing from a loaded trace, and the findings
 """
 
-from megatrace.jobconfig.build import build_job_config, config_findings, describe, job_facts
-from megatrace.jobconfig.checks import job_layout
-from megatrace.jobconfig.jobfile import JobFileError, load_job_yaml, write_job_yaml
-from megatrace.jobconfig.model import Issue, JobConfig, Value
+from megatrace.analyze.jobconfig.build import build_job_config, config_findings, describe, job_facts
+from megatrace.analyze.jobconfig.checks import job_layout
+from megatrace.analyze.jobconfig.jobfile import JobFileError, load_job_yaml, write_job_yaml
+from megatrace.analyze.jobconfig.model import Issue, JobConfig, Value
 
 __all__ = ["Issue", "JobConfig", "JobFileError", "Value", "build_job_config", "config_findings", "describe", "job_facts",
            "job_layout", "load_job_yaml", "write_job_yaml"]

@@ -7,12 +7,15 @@ from typing import Any
 
 import numpy as np
 
+from megatrace.analyze.facts import facts_from_meta, read_meta_entries
+from megatrace.analyze.findings import Finding, Kind, Severity, Subject
+from megatrace.analyze.jobconfig.checks import check, derive
+from megatrace.analyze.jobconfig.frameworks import read_trainer
+from megatrace.analyze.jobconfig.groups import GroupUse, data_parallel_world, infer_from_groups
+from megatrace.analyze.jobconfig.model import FIELDS, JobConfig
+from megatrace.analyze.jobconfig.runtime import read_runtime
 from megatrace.config import Layout
-from megatrace.jobconfig.checks import check, derive
-from megatrace.jobconfig.frameworks import read_trainer
-from megatrace.jobconfig.groups import GroupUse, data_parallel_world, infer_from_groups
-from megatrace.jobconfig.model import FIELDS, JobConfig
-from megatrace.jobconfig.runtime import read_runtime
+from megatrace.load.traceset import TraceSet
 from megatrace.trace import ring_format as fmt
 
 REMEDIATION = {
@@ -57,15 +60,13 @@ def _job_inputs(meta: Mapping[int, list[dict]], process: Mapping[int, Mapping[st
     return [], []
 
 
-def build_job_config(trace: Any, explicit: tuple[Layout, str, bool] | None = None) -> JobConfig:
+def build_job_config(trace: TraceSet, explicit: tuple[Layout, str, bool] | None = None) -> JobConfig:
     """The job configuration of a loaded :class:`~megatrace.load.traceset.TraceSet`.
 
     ``explicit``: (layout, where it came from, whether it is a full layout file) for a layout the user
     gave; its sizes take precedence over every other source. Never raises on bad input: what cannot
     be read becomes an issue.
     """
-    from megatrace.analyze.facts import facts_from_meta, read_meta_entries
-
     job = JobConfig(job_id=str(trace.job_id or ""))
     meta = trace.meta if trace.meta is not None else read_meta_entries(trace)
     process, env = facts_from_meta(meta)
@@ -104,10 +105,8 @@ def build_job_config(trace: Any, explicit: tuple[Layout, str, bool] | None = Non
     return job
 
 
-def config_findings(job: JobConfig) -> list:
+def config_findings(job: JobConfig) -> list[Finding]:
     """The job configuration's issues as findings of kind ``config``."""
-    from megatrace.analyze.findings import Finding, Kind, Severity, Subject
-
     out = []
     for k, issue in enumerate(job.issues):
         evidence: list[Any] = []
