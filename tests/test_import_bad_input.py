@@ -1,7 +1,8 @@
 """Broken, truncated, hostile and mixed inputs of every importer: one clear error line naming the file, the entry
 or line and the field; never a traceback, a hang, or a silently wrong trace (issue 7).
 
-One real demo run (TP2 x PP2, healthy, 2 steps, with the Flight Recorder hook) per module gives real Flight
+One real demo run (TP2 x PP2, healthy, 2 steps, with the Flight Recorder hook), checked in
+(tests/data/scenarios/healthy-fr-tp2pp2, tests/helpers/scenarios.py regenerates it), gives real Flight
 Recorder dumps; its rings are written as Megatrace NCCL-patch logs and NCCL Inspector lines by the writers of
 tests/helpers/nccl_logs.py and tests/helpers/inspector_logs.py. Each test mutates a copy of those real files and runs
 ``megatrace analyze`` on it: in-process (click's CliRunner) or, where the input could hang the process, as a
@@ -22,16 +23,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-pytest.importorskip("torch")
-pytestmark = pytest.mark.slow  # one real multi-process torch run per module
+from helpers.inspector_logs import write_inspector
+from helpers.nccl_logs import write_nccl_logs
+from helpers.scenarios import unpack
 
-from megatrace.cli import main  # noqa: E402
-from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
-from megatrace.load import load_trace  # noqa: E402
-from megatrace.load.importers import flight_recorder  # noqa: E402
-from megatrace.load.traceset import TraceLoadError, TraceSet  # noqa: E402
-from helpers.inspector_logs import write_inspector  # noqa: E402
-from helpers.nccl_logs import write_nccl_logs  # noqa: E402
+from megatrace.cli import main
+from megatrace.load import load_trace
+from megatrace.load.importers import flight_recorder
+from megatrace.load.traceset import TraceLoadError, TraceSet
 
 BOUND_S = 30.0  # every bad input is refused (or read) within this, on a loaded machine
 
@@ -39,11 +38,7 @@ BOUND_S = 30.0  # every bad input is refused (or read) within this, on a loaded 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A healthy demo run: rings, and every rank's Flight Recorder dump in run/fr/."""
-    out = tmp_path_factory.mktemp("bad") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TORCH_FR_BUFFER_SIZE", "2000")
-        mp.setenv("MEGATRACE_DEMO_FR_DUMP", str(out / "fr"))
-        run_local(DemoOptions(tp=2, pp=2, dp=1, steps=2, out=out, stall_s=8.0), log=lambda msg: None)
+    out = unpack("healthy-fr-tp2pp2", tmp_path_factory.mktemp("bad") / "run")
     assert sorted(p.name for p in (out / "fr").iterdir()) == [f"fr_rank_{r}" for r in range(4)]
     return out
 

@@ -1,6 +1,7 @@
 """Megatrace NCCL-patch logs written from a real demo run, imported and analysed.
 
-The demo (TP2 x PP2 on gloo, rank 2 hangs at step 2) runs once; its rings are turned into
+The demo run (TP2 x PP2 on gloo, rank 2 hangs at step 2) is checked in (tests/data/scenarios/hang-rank2-tp2pp2,
+tests/helpers/scenarios.py regenerates it); its rings are turned into
 ``rank_<R>.log`` files by :func:`helpers.nccl_logs.write_nccl_logs`, a small writer of the patch's exact
 line format: element counts, process-local stream pointers, per-communicator opCounts (a batch of
 send/recv shares one), a one-rank communicator that logs opCount 0, overlapping dumps of a ring of
@@ -16,27 +17,23 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-pytest.importorskip("torch")
-pytestmark = pytest.mark.slow  # real multi-process torch runs
+from helpers.nccl_logs import write_nccl_logs
+from helpers.scenarios import unpack
 
-from megatrace.analyze.engine import analyze  # noqa: E402
-from megatrace.analyze.findings import Kind, Severity  # noqa: E402
-from megatrace.cli import main  # noqa: E402
-from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
-from megatrace.load import load_trace  # noqa: E402
-from megatrace.load.traceset import TraceLoadError, TraceSet  # noqa: E402
-from megatrace.trace.ring_format import State  # noqa: E402
-from helpers.nccl_logs import write_nccl_logs  # noqa: E402
+from megatrace.analyze.engine import analyze
+from megatrace.analyze.findings import Kind, Severity
+from megatrace.cli import main
+from megatrace.load import load_trace
+from megatrace.load.traceset import TraceLoadError, TraceSet
+from megatrace.trace.ring_format import State
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[TraceSet, int]:
-    out = tmp_path_factory.mktemp("nccl") / "hang"
-    run_local(DemoOptions(tp=2, pp=2, dp=1, steps=4, faults=("hang:rank=2,step=2",), out=out, stall_s=8.0),
-              log=lambda msg: None)
+    out = unpack("hang-rank2-tp2pp2", tmp_path_factory.mktemp("nccl") / "hang")
     (fault,) = json.loads((out / "fault.json").read_text())["faults"]
     steps = (out / "metrics" / f"rank-{fault['rank']:05d}.jsonl").read_text().count("\n")
-    assert steps == 2, f"the demo stopped at step {steps}, not at the injected hang (machine overloaded?)"
+    assert steps == 2, f"the scenario stopped at step {steps}, not at the injected hang (regenerate it)"
     return load_trace(out), fault["rank"]
 
 

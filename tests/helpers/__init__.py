@@ -15,8 +15,11 @@ tests/dcgmi_double.py, tests/programs/, tests/nccl_double/.
   sleeps).
 - ``pipeline_sim``: a deterministic simulator of the demo's 1F1B training step, written as rings.
 - ``planted``: what another user plants before a victim's tracer starts (issue 20).
+- ``memory``: ``PEAK_KIB``, a child program's own peak memory (``VmHWM``; ``ru_maxrss`` counts its parent too).
 - ``ring_stream``: the ring tests' writers and their deterministic record stream (``write_gen``,
   ``check_against_gen``, ``writer_child``).
+- ``scenarios``: checked-in demo runs (tests/data/scenarios/<name>/, gzipped rings and Flight Recorder dumps) that
+  importer and bad-input tests read without torch: ``unpack``; run the module to regenerate them.
 - ``slurm_lab``: the local Slurm lab: ``lab_unavailable`` and submitting jobs (``sbatch``, ``submit``,
   ``job_info``).
 - ``torch_ranks``: ranks of tests/torch_scenarios.py on real gloo groups (``launch``, ``finish``) and what they
