@@ -1,4 +1,4 @@
-"""One home for every naming rule MegaTrace's parts must agree on (repo issue 21).
+"""One home for every naming rule MegaTrace's parts must agree on.
 
 Standard library only, and nothing from ``megatrace``: any stage may import it. The C plugin
 (spank_plugin/remote.c), the C tracer (megatrace/trace/nccl/tracer.c) and the Slurm scripts (slurm/) cannot
