@@ -78,6 +78,11 @@ def log_of(out: Path, rank: int) -> str:
     return (out / "logs" / f"rank-{rank:05d}.log").read_text()
 
 
+def last_beats(out: Path) -> dict[str, str]:
+    """Each rank's last heartbeat (its phase when the run ended): a failure's diagnosis."""
+    return {p.stem: p.read_text().strip() for p in sorted((out / "logs").glob("rank-*.heartbeat"))}
+
+
 # -- healthy runs --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=list(HEALTHY_SIZES))
@@ -154,13 +159,21 @@ def test_hang_stops_the_rank_before_its_next_call(tmp_path: Path, engine: str) -
 def test_commhang_leaves_the_rank_inside_its_call(tmp_path: Path, engine: str) -> None:
     result = fault_run(tmp_path, engine, "commhang:rank=1,step=2")
     assert result.outcome == "stalled", result.message
+    assert "injected commhang on rank 1 at step 2" in log_of(tmp_path, 1), (result.message, last_beats(tmp_path))
     r = records(tmp_path)
     stuck = {rank: recs[recs["state"] == ENTERED] for rank, recs in r.items()}
     assert len(stuck[1]) and len(stuck[0]), "both ranks are inside a call"
     if engine != "pipeline":  # a collective: the same instance is entered on both ranks
         first = stuck[1][0]
         assert ((stuck[0]["group_id"] == first["group_id"]) & (stuck[0]["group_seq"] == first["group_seq"])).any()
-    assert "injected commhang on rank 1 at step 2" in log_of(tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_a_slow_phase_whose_calls_go_through_is_no_stall(tmp_path: Path) -> None:
+    """The launcher takes a started call for progress, not only a heartbeat: FSDP's backward here runs 6 s
+    between two heartbeats under a 2 s stall timeout, with an all_gather or reduce_scatter every second."""
+    result = demo(tmp_path, "fsdp", steps=1, layers_per_stage=6, compute_ms=3000.0, stall_s=2.0)
+    assert result.ok, (result.message, last_beats(tmp_path))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from megatrace.config import Layout, LayoutError, RankPlacement, save_layout
 from megatrace.demo.engines import DEFAULT_ENGINE, check_engine_fault, engine_layout, get_engine
 from megatrace.demo.faults import format_fault, parse_fault, validate_fault, write_fault_json
 from megatrace.schedule import DP_MODES
+from megatrace.trace import ring_format as fmt
 
 POLL_S = 0.1
 KILL_WAIT_S = 1.0
@@ -172,17 +174,36 @@ def _last_progress(logs: Path, world: int) -> tuple[set[int], set[int], float]:
     return beating, done, latest
 
 
+def _ring_counters(rings: Path, world: int) -> tuple[int, ...]:
+    """Each rank's ring write counter (0 while it has no ring): it moves with every call a rank starts."""
+    counters = []
+    for rank in range(world):
+        try:
+            with open(rings / fmt.ring_name(rank), "rb") as fh:
+                blob = fh.read(fmt.WRITE_COUNTER_OFFSET + fmt.WRITE_COUNTER.size)
+            counters.append(fmt.WRITE_COUNTER.unpack_from(blob, fmt.WRITE_COUNTER_OFFSET)[0])
+        except (OSError, struct.error):
+            counters.append(0)
+    return tuple(counters)
+
+
 def _status(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
 
 
 def _watch(opts: DemoOptions, procs: dict[int, subprocess.Popen], logs: Path, killed: set[int],
            log: Callable[[str], None]) -> tuple[str, str]:
-    """Wait for the workers; kill them on a stall, the deadline, or after a failure plus grace."""
+    """Wait for the workers; kill them on a stall, the deadline, or after a failure plus grace.
+
+    Progress is a heartbeat (a rank entered a phase) or a call a rank started (its ring's write
+    counter moved): a slow step whose collectives still go through is no stall.
+    """
     world = len(procs)
     start = time.monotonic()
     wall_offset = time.time() - start
     armed_at: float | None = None
+    rings = logs.parent / "rings"
+    counters, called_at = _ring_counters(rings, world), start
     first_failure: tuple[float, int, str] | None = None  # (when, rank, what)
     while True:
         now = time.monotonic()
@@ -204,6 +225,9 @@ def _watch(opts: DemoOptions, procs: dict[int, subprocess.Popen], logs: Path, ki
             _kill(procs, killed)
             return "deadline", f"deadline of {opts.deadline:g} s passed; killed {running} ranks"
         beating, done, latest = _last_progress(logs, world)
+        now_counters = _ring_counters(rings, world)
+        if now_counters != counters:
+            counters, called_at = now_counters, now
         if armed_at is None and len(beating | {r for r, c in codes.items() if c is not None}) == world:
             armed_at = now  # every rank is past startup: from now on, silence means a hang
         if {r for r, c in codes.items() if c is None} <= done or first_failure is not None:
@@ -212,7 +236,7 @@ def _watch(opts: DemoOptions, procs: dict[int, subprocess.Popen], logs: Path, ki
             # others have their grace period to fail too: the run is not a stall.
             time.sleep(POLL_S)
             continue
-        if armed_at is not None and now - max(armed_at, latest - wall_offset) > opts.stall_s:
+        if armed_at is not None and now - max(armed_at, latest - wall_offset, called_at) > opts.stall_s:
             _kill(procs, killed)
             return "stalled", f"no progress for {opts.stall_s:g} s — ranks look hung; killed {running} ranks"
         time.sleep(POLL_S)
