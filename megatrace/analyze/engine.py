@@ -171,15 +171,6 @@ def output_dir(trace: TraceSet) -> Path:
     return path if not trace.imported else path.resolve().parent / f"{path.resolve().name}-megatrace"
 
 
-def _one_job_log(path: Path, format: str) -> bool:  # noqa: A002 - load_trace's format
-    """Whether ``path`` is read as a job output log (one file, not an NCCL RAS report)."""
-    if format not in ("auto", "job-log") or not path.is_file():
-        return False
-    from megatrace.load.importers.sniff import looks_like_nccl_ras
-
-    return format == "job-log" or not looks_like_nccl_ras(path)
-
-
 def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None, given: bool,
                 out_dir: Path | None = None) -> Any:
     """Build the job configuration (megatrace.analyze.jobconfig), write ``job.yaml`` into ``out_dir`` (default:
@@ -263,17 +254,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     t0 = time.perf_counter()
     spec = layout if isinstance(layout, LayoutSpec) else None
     given = load_layout(layout) if isinstance(layout, (str, Path)) else layout if isinstance(layout, Layout) else None
-    logs = [Path(p) for p in job_logs]
-    if logs and _one_job_log(Path(trace_dir), format):  # the job's output in several files (StdOut, StdErr)
-        from megatrace.load.importers.job_log import load_job_log
-
-        trace = load_job_log(Path(trace_dir), given, more=logs)
-    else:
-        trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None, format=format)
-        if logs:
-            from megatrace.load.importers.job_log import merge_job_logs
-
-            merge_job_logs(trace, logs)
+    trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None, format=format, job_logs=job_logs)
     if spec is not None:
         _apply_layout_spec(trace, spec)
     job = _job_config(trace, spec is not None, layout if isinstance(layout, (str, Path)) else None,

@@ -21,7 +21,6 @@ is false rather than wrong.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from megatrace.analyze.context import AnalysisContext
@@ -293,37 +292,19 @@ def facts_from_meta(meta: Mapping[int, Iterable[Mapping[str, Any]]]
     return process, env
 
 
-def read_meta_entries(trace: Any) -> dict[int, list[dict]]:
-    """Each loaded rank's meta entries, read from the meta file beside its ring (missing files: skipped)."""
-    from megatrace.trace import ring_format as fmt
-    from megatrace.trace.ring_reader import read_meta
-
-    out: dict[int, list[dict]] = {}
-    for info in getattr(trace, "rank_info", ()):
-        ring = Path(info.path)
-        for candidate in (ring.with_name(fmt.meta_name(info.rank)), ring.with_suffix(".meta.jsonl")):
-            if candidate.is_file():
-                entries, _ = read_meta(candidate)
-                out[info.rank] = entries
-                break
-    return out
-
-
 def facts_from_context(ctx: AnalysisContext, *, env: Mapping[str, Any] | None = None,
                        batch: Mapping[str, Any] | None = None, preflight: Mapping[str, Any] | None = None,
                        nvml: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The facts for an :class:`megatrace.analyze.context.AnalysisContext`.
 
-    Meta entries come from ``ctx.results["meta"]`` or ``ctx.trace.meta`` (rank -> entries) when a
-    loader keeps them, else from the meta files beside the rings. ``env``, ``batch``, ``preflight``
+    Meta entries come from ``ctx.results["meta"]``, else ``ctx.trace.meta`` (rank -> entries, as the loader
+    read them: analyzers open no file). ``env``, ``batch``, ``preflight``
     and ``nvml`` default to ``ctx.results`` entries of those names; ``ctx.results["layout"]``, when
     set, replaces the trace's layout (the loader drops a layout that does not fit the world size).
     """
     trace = ctx.trace
     results = getattr(ctx, "results", {}) or {}
-    meta = results.get("meta") or getattr(trace, "meta", None)
-    if meta is None:
-        meta = read_meta_entries(trace)
+    meta = results.get("meta") or trace.meta
     process, rank_env = facts_from_meta(meta)
     hosts = {info.rank: info.host for info in trace.rank_info if info.host}
     layout = results.get("layout") or trace.layout  # a stage may leave the layout as given, even one that did not fit

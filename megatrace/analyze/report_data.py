@@ -214,7 +214,7 @@ def _delay(res: Any) -> dict[str, Any] | None:
 def _job(trace: TraceSet) -> dict[str, Any]:
     """Rank 0's (or the first loaded rank's) command line, versions and runtime settings from its meta file."""
     out: dict[str, Any] = {}
-    metas = trace.meta or {}
+    metas = trace.meta
     for rank in sorted(metas)[:1]:
         for entry in metas[rank]:
             if entry.get("kind") == "process":

@@ -21,6 +21,7 @@ never read here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,8 @@ from megatrace.config import Layout
 from megatrace.load import probe as process_probe
 from megatrace.load.discovery import foreign_owner, marker_files, read_header, ring_files, select_rings
 from megatrace.load.importers import detect_format, import_trace, not_a_trace
-from megatrace.load.importers.detect import looks_like_nccl_ras
+from megatrace.load.importers.job_log import load_job_log, merge_job_logs
+from megatrace.load.importers.sniff import looks_like_nccl_ras
 from megatrace.load.markers import read_markers, rendezvous_facts
 from megatrace.load.rings import RecordColumns, TailColumns, Tally, load_all, load_tails, read_tail_columns
 from megatrace.load.side_files import merge_groups, node_facts, resolve_layout
@@ -48,7 +50,7 @@ QUICK_TAIL = 128
 
 
 def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | None = None,
-               format: str = "auto") -> TraceSet:  # noqa: A002 - the CLI option's name
+               format: str = "auto", job_logs: Sequence[str | Path] = ()) -> TraceSet:  # noqa: A002 - the CLI's
     """Load a trace directory; see the module docstring. ``layout`` overrides ``layout.yaml``.
 
     ``format``: ``auto`` (ring files, else a detected foreign format), ``rings``, or an importer's
@@ -56,8 +58,28 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
 
     ``tail=K`` loads only each rank's newest ``K`` records (``TraceSet.tail``; ``RankInfo.unread``
     counts the older ones left in the ring).
+
+    ``job_logs``: the job's output files (``--with-log``). Beside one job log they are more of the same job's
+    output; beside rings they speak for the ranks that left none (:func:`~.importers.job_log.merge_job_logs`).
     """
-    directory = Path(directory)
+    logs = [Path(p) for p in job_logs]
+    if logs and _one_job_log(Path(directory), format):  # the job's output in several files (StdOut, StdErr)
+        return load_job_log(Path(directory), layout, more=logs)
+    trace = _load_path(Path(directory), layout, tail, format)
+    if logs:
+        merge_job_logs(trace, logs)
+    return trace
+
+
+def _one_job_log(path: Path, format: str) -> bool:  # noqa: A002 - load_trace's format
+    """Whether ``path`` is read as a job output log (one file, not an NCCL RAS report)."""
+    if format not in ("auto", "job-log") or not path.is_file():
+        return False
+    return format == "job-log" or not looks_like_nccl_ras(path)
+
+
+def _load_path(directory: Path, layout: Layout | None, tail: int | None, format: str) -> TraceSet:  # noqa: A002
+    """:func:`load_trace` of one directory or file, without job logs."""
     if not directory.exists():
         raise TraceLoadError(f"{directory}: no such directory")
     if not directory.is_dir():

@@ -209,10 +209,10 @@ class TraceSet:
     time_base: str = "monotonic"  # "aligned" once clock alignment rewrote the time columns in place
     tail: int | None = None  # None: every record; K: only each rank's newest K records were loaded
     #                          (more for ranks whose tail had to be extended); see ``RankInfo.unread``
-    meta: dict[int, list[dict]] | None = None  # each loaded rank's meta entries, as read (None: not kept)
+    meta: dict[int, list[dict]] = field(default_factory=dict)  # each loaded rank's meta entries, as read
     source_format: str = "rings"  # the format it was read from: "rings" or an importer's ("flight-recorder", ...)
     world_source: str = "ring headers (torch.distributed world size)"  # where world_size came from
-    init_markers: dict[int, InitMarker] = field(default_factory=dict)  # rank -> start marker (analyze/startup.py)
+    init_markers: dict[int, InitMarker] = field(default_factory=dict)  # rank -> start marker (load/markers.py)
     completion_times: str = "observed"  # "arrivals": an imported format whose calls complete, as far as it
     #   knows, at their instance's last arrival (stragglers are judged call by call, no critical path);
     #   "inferred": coarser estimates, no timing stage runs on it; "order": no times at all, only the order of

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from megatrace.analyze.facts import facts_from_meta, read_meta_entries
+from megatrace.analyze.facts import facts_from_meta
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject
 from megatrace.analyze.jobconfig.checks import check, derive
 from megatrace.analyze.jobconfig.frameworks import read_trainer
@@ -68,7 +68,7 @@ def build_job_config(trace: TraceSet, explicit: tuple[Layout, str, bool] | None 
     be read becomes an issue.
     """
     job = JobConfig(job_id=str(trace.job_id or ""))
-    meta = trace.meta if trace.meta is not None else read_meta_entries(trace)
+    meta = trace.meta
     process, env = facts_from_meta(meta)
     if explicit is not None:
         layout, where, full = explicit
