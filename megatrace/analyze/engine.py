@@ -1,8 +1,9 @@
 """The analysis facade: ``analyze(trace_dir) -> AnalysisResult``, one call per analyzer.
 
-Pipeline: load → index (matching keys) → clock alignment → match → hang
-wait-for graph → findings. Further analyzers (critical path, stragglers, the
-rules engine) plug in as :data:`STAGES`: each is a function of the
+Pipeline: load → job configuration (:mod:`megatrace.analyze.jobconfig.stage`: it
+may give the trace its layout, so it runs first) → index (matching keys) → clock
+alignment → match → hang wait-for graph → findings. Further analyzers (critical
+path, stragglers, the rules engine) plug in as :data:`STAGES`: each is a function of the
 :class:`AnalysisContext` that returns findings and may leave results in
 ``context.results`` for the stages after it (the rules engine runs last and
 sees every finding so far).
@@ -29,13 +30,13 @@ from megatrace.analyze.context import AnalysisContext, Stage
 from megatrace.analyze.findings import Finding, Kind, Severity, findings_document, order_findings, write_findings_json
 from megatrace.analyze.hang import TAIL, HangAnalysis, analyze_hangs
 from megatrace.analyze.index import index_records
-from megatrace.analyze.jobconfig import build_job_config, config_findings, job_facts, job_layout, write_job_yaml
+from megatrace.analyze.jobconfig import config_findings, job_facts
+from megatrace.analyze.jobconfig.stage import GivenLayout, apply_layout_spec, job_stage
 from megatrace.analyze.match import MatchResult, match
 from megatrace.analyze.tails import widen_tails
 from megatrace.config import Layout, LayoutError
 from megatrace.load import QUICK_TAIL, load_trace
-from megatrace.load.side_files import fit_layout
-from megatrace.load.traceset import LoadProblem, TraceSet
+from megatrace.load.traceset import TraceSet
 
 
 @dataclass(frozen=True)
@@ -171,45 +172,15 @@ def output_dir(trace: TraceSet) -> Path:
     return path if not trace.imported else path.resolve().parent / f"{path.resolve().name}-megatrace"
 
 
-def _job_config(trace: TraceSet, from_spec: bool, layout_file: str | Path | None, given: bool,
-                out_dir: Path | None = None) -> Any:
-    """Build the job configuration (megatrace.analyze.jobconfig), write ``job.yaml`` into ``out_dir`` (default:
-    :func:`output_dir`), and give the trace its layout when none was given. Never fails the analysis: a
-    problem becomes a LoadProblem."""
-    explicit = None
-    if trace.layout is not None:
-        where = ("--tp/--pp/--dp" if from_spec else f"--layout {layout_file}" if layout_file is not None
-                 else "the given layout" if given else str(trace.path / "layout.yaml"))
-        explicit = (trace.layout, where, not from_spec)
-    try:
-        job = build_job_config(trace, explicit)
-    except Exception as exc:  # noqa: BLE001 - the job's configuration is context; analysis goes on without it
-        trace.problems.append(LoadProblem("warning", "job-config", f"job configuration not built: {exc!r}"))
-        return None
+def _given_layout(trace: TraceSet, layout: object) -> GivenLayout | None:
+    """Where the layout the loaded trace has came from (``layout``: :func:`analyze`'s argument)."""
     if trace.layout is None:
-        # the sources by precedence; when those do not fit, what the trace itself shows
-        inferred = job_layout(job) or job_layout(job, ("environment", "groups"))
-        if inferred is not None:
-            trace.layout = fit_layout(inferred, trace.world_size, f"job configuration ({job.sizes_label()})",
-                                      trace.problems)
-    target = (out_dir or output_dir(trace)) / "job.yaml"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_job_yaml(job, target)
-    except OSError as exc:
-        trace.problems.append(LoadProblem("warning", "job-config", f"cannot write {target}: {exc.strerror}",
-                                          paths=(str(target),)))
-    return job
-
-
-def _apply_layout_spec(trace: TraceSet, spec: LayoutSpec) -> None:
-    """Give the trace the layout of the command line's sizes; a problem, and no layout, when they do not fit."""
-    try:
-        trace.layout = fit_layout(spec.resolve(trace.world_size), trace.world_size, "--tp/--pp/--dp",
-                                  trace.problems)
-    except LayoutError as exc:
-        trace.layout = None
-        trace.problems.append(LoadProblem("error", "layout", f"{exc}; analysing without a layout"))
+        return None
+    if isinstance(layout, LayoutSpec):
+        return GivenLayout("--tp/--pp/--dp", full=False)
+    where = (f"--layout {layout}" if isinstance(layout, (str, Path)) else "the given layout"
+             if isinstance(layout, Layout) else str(trace.path / "layout.yaml"))
+    return GivenLayout(where, full=True)
 
 
 def _stages_to_run(ctx: AnalysisContext, stages: list[tuple[str, Stage]] | None,
@@ -256,10 +227,11 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     given = load_layout(layout) if isinstance(layout, (str, Path)) else layout if isinstance(layout, Layout) else None
     trace = load_trace(trace_dir, layout=given, tail=QUICK_TAIL if quick else None, format=format, job_logs=job_logs)
     if spec is not None:
-        _apply_layout_spec(trace, spec)
-    job = _job_config(trace, spec is not None, layout if isinstance(layout, (str, Path)) else None,
-                      isinstance(layout, Layout), Path(out_dir) if out_dir is not None else None)
+        apply_layout_spec(trace, spec)
     timings["load"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    job = job_stage(trace, _given_layout(trace, layout), Path(out_dir) if out_dir is not None else output_dir(trace))
+    timings["job"] = time.perf_counter() - t
     t = time.perf_counter()
     index = index_records(trace)
     timings["index"] = time.perf_counter() - t

@@ -15,6 +15,7 @@ and the consistency issues. :func:`job_layout` turns it into the
 ``checks``      derived fields and consistency checks
 ``jobfile``     job.yaml
 ``build``       the whole thing from a loaded trace, and the findings
+``stage``       the analysis's first stage: the layout it gives the trace, job.yaml
 """
 
 from megatrace.analyze.jobconfig.build import build_job_config, config_findings, describe, job_facts
