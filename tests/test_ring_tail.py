@@ -25,6 +25,7 @@ from helpers.ring_stream import (FAST, FORK, IDENT, KIND_PARAMS, KINDS, being_wr
 
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_reader import RingFormatError, RingSnapshot, read_ring, read_tails
+from megatrace.trace.ring_tail import batch_tails
 
 
 def _ring(directory: str | Path, capacity: int, n: int, kind: str = "python", close: bool = True) -> Path:
@@ -112,6 +113,23 @@ def test_wrapped_ring(tmp_path, n):
     assert snap.lost == 0 and snap.problems == []
     (batch,) = read_tails([path], 100)
     _assert_same(batch, _summary(snap))
+
+
+@pytest.mark.parametrize("n", [0, 1, 30, 98])
+def test_a_ring_smaller_than_k_never_wrapped_is_read_in_the_batch(tmp_path, n):
+    """(A ring sized to its records, as ``megatrace simulate`` writes them: not read again on its own.)"""
+    path = _ring(tmp_path, 100, n)
+    (batch,) = batch_tails([path], 128)
+    assert batch is not None
+    _assert_same(batch, _summary(read_ring(path)))
+    assert batch.records["seq"].tolist() == list(range(1, n + 1))
+
+
+@pytest.mark.parametrize("n", [99, 100, 150])
+def test_a_ring_smaller_than_k_that_may_have_wrapped_is_read_on_its_own(tmp_path, n):
+    path = _ring(tmp_path, 100, n)
+    assert batch_tails([path], 128) == [None]
+    _assert_same(read_tails([path], 128)[0], _summary(read_ring(path)))
 
 
 @pytest.mark.parametrize("last", [1022, 1023, 1024, 5000])
@@ -309,7 +327,7 @@ def test_tail_after_sigkill_mid_write(kind, delay):
         child.start()
         try:
             assert ready.wait(10)
-            time.sleep(delay)
+            time.sleep(delay)  # a duration (drawn), not a wait: where in the stream the kill lands
             os.kill(child.pid, signal.SIGKILL)
         finally:
             child.join(10)

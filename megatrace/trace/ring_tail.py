@@ -146,7 +146,10 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
                 continue
             heads[i] = header
             cap, counter = header.capacity, header.write_counter
-            if problems or sizes[i] != fmt.file_size(cap) or stride > cap or counter >= COUNTER_LIMIT:
+            # (a ring smaller than the window is read here too while its slots up to two past the counter
+            # have never been reused: each row is then a slot of its own)
+            if problems or sizes[i] != fmt.file_size(cap) or (stride > cap and counter + 2 > cap) \
+                    or counter >= COUNTER_LIMIT:
                 continue  # read on its own later
             lo = max(1, counter + 1 - last)
             first[i], rows[i], caps[i] = lo, counter + 3 - lo, cap
