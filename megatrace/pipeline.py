@@ -8,7 +8,6 @@ imports analysis or report.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -27,6 +26,7 @@ def analyze_bundle(writer: BundleWriter, mode: str, report: bool) -> dict[str, A
     if ``report``, report.html into it; returns the analysis's entry of collection.json. Never raises: an
     analysis that fails is an ``error`` in that entry (it must never lose the collection)."""
     from megatrace.analyze.engine import analyze
+    from megatrace.analyze.findings import findings_text
     from megatrace.analyze.summary import render_summary
 
     t0 = time.perf_counter()
@@ -40,7 +40,7 @@ def analyze_bundle(writer: BundleWriter, mode: str, report: bool) -> dict[str, A
         trace["path"] = str(writer.path)
         # What the collection could not bring, in the words every reader of findings.json shows.
         trace.setdefault("problems", []).extend(writer.collection_problems())
-        text = json.dumps(doc, indent=2, ensure_ascii=False, default=_plain) + "\n"
+        text = findings_text(doc, default=_plain)
         writer.out.write("findings.json", text.encode(), replace=True)
         summary = render_summary(result, writer.path)
         writer.out.write("summary.txt", summary.encode() + b"\n", replace=True)
@@ -107,6 +107,7 @@ def _report(writer: BundleWriter, findings_text: str) -> str | None:
 
 
 def _plain(value: Any) -> Any:
+    """JSON fallback that never fails (the collector never loses a bundle over a value): anything unknown as text."""
     if hasattr(value, "item"):
         return value.item()
     if isinstance(value, (set, frozenset, tuple)):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import enum
 import json
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatrace import __version__
 from megatrace.files import write_atomic
@@ -171,7 +172,22 @@ def findings_document(findings: list[Finding], trace: dict[str, Any],
 
 def write_findings_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
     """Write ``document`` atomically (temporary file, then rename)."""
-    return write_atomic(path, json.dumps(document, indent=2, ensure_ascii=False, default=_plain) + "\n")
+    return write_atomic(path, findings_text(document))
+
+
+def findings_text(document: dict[str, Any], default: Callable[[Any], Any] | None = None) -> str:
+    """``document`` as findings.json's text: indented for people, except ``analysis.report`` (what the HTML report
+    draws: megabytes at thousands of ranks), written on one line by the C encoder, ten times faster. ``default``:
+    what values JSON does not know become (default: numpy scalars and sets; anything else is an error)."""
+    default = default or _plain
+    analysis = document.get("analysis")
+    if not isinstance(analysis, dict) or "report" not in analysis:
+        return json.dumps(document, indent=2, ensure_ascii=False, default=default) + "\n"
+    marker = f"report-{uuid.uuid4().hex}"  # (no string of the document can hold it)
+    text = json.dumps({**document, "analysis": {**analysis, "report": marker}}, indent=2, ensure_ascii=False,
+                      default=default)
+    report = json.dumps(analysis["report"], ensure_ascii=False, default=default, separators=(",", ":"))
+    return text.replace(f'"{marker}"', report, 1) + "\n"
 
 
 def _plain(value: Any) -> Any:
