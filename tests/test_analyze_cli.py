@@ -133,3 +133,50 @@ def test_an_output_directory_that_cannot_be_made_is_one_error_line(runner: CliRu
     result = runner.invoke(main, ["analyze", str(trace), "-o", str(blocker / "out")])
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert result.output.strip().splitlines()[-1].startswith("Error: ") and "-o/--out" in result.output
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two simulated jobs of VERDICT_FIRST_RANKS ranks (TP4·PP4·DP16): rank 77 hung at step 2, and a healthy one."""
+    from megatrace.cli.analyze import VERDICT_FIRST_RANKS
+
+    root, runner = tmp_path_factory.mktemp("simulated"), CliRunner()
+    runs = {"hung": ["--fault", "hang:rank=77,step=2"], "healthy": []}
+    for name, fault in runs.items():
+        result = runner.invoke(main, ["simulate", "--ranks", str(VERDICT_FIRST_RANKS), "--tp", "4", "--pp", "4",
+                                      "--steps", "3", *fault, "-o", str(root / name)])
+        assert result.exit_code == 0, result.output
+    return {name: root / name for name in runs}
+
+
+def test_at_scale_a_hang_s_verdict_from_the_quick_pass_comes_before_the_full_analysis(
+        simulated: dict[str, Path], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "megatrace.cli", "analyze", str(simulated["hung"]), "--no-report",
+                          "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout
+    text = run.stdout
+    early = text.index("hang verdict from the quick pass")
+    final = text.index("\ntrace ")  # the full analysis's summary, after its verdict
+    assert early < final
+    quick_verdict = text[early:].splitlines()[1]
+    assert quick_verdict.startswith("VERDICT [critical] rank 77 ") and "stopped outside communication" in quick_verdict
+    assert f"its findings: {out / 'findings.json'}" in text[early:].splitlines()[0]
+    doc = json.loads((out / "findings.json").read_text())  # rewritten by the full analysis
+    assert "mode" not in doc["analysis"] and doc["findings"][0]["subject"]["rank"] == 77
+    assert quick_verdict == "VERDICT [critical] " + doc["verdict"]
+
+
+@pytest.mark.parametrize("case", ["healthy", "quick", "fewer-ranks"])
+def test_no_early_verdict_without_a_hang_with_quick_or_below_the_scale(
+        runner: CliRunner, simulated: dict[str, Path], tmp_path: Path, case: str) -> None:
+    trace = {"healthy": simulated["healthy"], "quick": simulated["hung"], "fewer-ranks": hung(tmp_path)}[case]
+    quick = ["--quick"] if case == "quick" else []
+    args = ["analyze", str(trace), "--no-report", "-o", str(tmp_path / "out"), *quick]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "quick pass" not in result.output
+    assert result.stdout.startswith("VERDICT [critical]" if case != "healthy" else "VERDICT [info]")

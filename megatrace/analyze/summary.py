@@ -13,21 +13,24 @@ MAX_OTHER = 10  # other findings listed by the terminal summary (all are in find
 MAX_EVIDENCE = 4  # evidence lines shown under the verdict
 
 
+def render_verdict(result: AnalysisResult) -> str:
+    """The verdict's lines: the first finding, its kind, confidence, evidence and what to do."""
+    top = result.verdict
+    if top is None:
+        return "VERDICT: no findings"
+    lines = [f"VERDICT [{top.severity.value}] {top.verdict}",
+             f"  kind {top.kind.value}, confidence {top.confidence:.2f}"]
+    lines += [f"  - {item}" for item in top.evidence[:MAX_EVIDENCE]]
+    if top.remediation:
+        lines.append(f"  what to do: {top.remediation}")
+    return "\n".join(lines)
+
+
 def render_summary(result: AnalysisResult, shown_path: Path | None = None, out_dir: Path | None = None) -> str:
     """Plain text for a terminal; the first line is the verdict. ``shown_path``: the trace directory's
     name for people, when the analysis read it through another path (a descriptor under /proc); ``out_dir``:
     where job.yaml was written (default: the trace directory)."""
-    lines: list[str] = []
-    top = result.verdict
-    if top is None:
-        lines.append("VERDICT: no findings")
-    else:
-        lines.append(f"VERDICT [{top.severity.value}] {top.verdict}")
-        lines.append(f"  kind {top.kind.value}, confidence {top.confidence:.2f}")
-        for item in top.evidence[:MAX_EVIDENCE]:
-            lines.append(f"  - {item}")
-        if top.remediation:
-            lines.append(f"  what to do: {top.remediation}")
+    lines = [render_verdict(result)]
     t = result.trace
     where = shown_path or t.path
     m = result.match.summary()

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
 from megatrace.names import SEVERITIES, job_dir_name
+
+if TYPE_CHECKING:
+    from megatrace.analyze.engine import AnalysisResult
 
 # = megatrace.load.importers.FORMATS (not imported: the importers load numpy)
 TRACE_FORMATS = ("auto", "rings", "flight-recorder", "nccl-log", "inspector", "kineto", "nccl-ras", "job-log")
@@ -103,17 +107,27 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
         if trace_dir is None:
             trace_dir, found = str(found[0]), found[1:]
         logs += [str(p) for p in found if str(p) not in logs]
-    try:
-        result = run_analysis(trace_dir, layout=layout, mode="hang" if quick else "full", format=trace_format,
-                              out_dir=out_dir, job_logs=logs)
-    except (TraceLoadError, LayoutError) as exc:
-        raise CommandError(str(exc)) from None
-    out = Path(out_dir) if out_dir is not None else output_dir(result.trace)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CommandError(f"cannot create the output directory {out}: {exc.strerror}; give one with "
-                             f"-o/--out DIR") from None
+    command = _analyze_command(trace_dir, layout_file, tp, pp, dp, quick, logs) + (
+        f" --format {trace_format}" if trace_format != "auto" else "")  # for the report
+
+    def run(mode: str) -> tuple[AnalysisResult, Path, str]:
+        try:
+            result = run_analysis(trace_dir, layout=layout, mode=mode, format=trace_format, out_dir=out_dir,
+                                  job_logs=logs)
+        except (TraceLoadError, LayoutError) as exc:
+            raise CommandError(str(exc)) from None
+        result.results["command"] = command
+        out = Path(out_dir) if out_dir is not None else output_dir(result.trace)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CommandError(f"cannot create the output directory {out}: {exc.strerror}; give one with "
+                               f"-o/--out DIR") from None
+        return result, out, json_path or str(out / "findings.json")
+
+    if not quick and _many_rings(trace_dir, trace_format):
+        _say_hang_first(*run("hang"))
+    result, out, target = run("hang" if quick else "full")
     if quick:
         skipped = result.results.get("skipped_stages") or []
         source = (f"the newest {result.trace.tail} records of each rank" if result.trace.tail is not None
@@ -121,10 +135,6 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
         click.echo(f"quick analysis: hang localisation from {source}"
                    + (f"; not run: {', '.join(skipped)}" if skipped else ""), err=True)
     click.echo(render_summary(result, out_dir=out))
-    target = json_path or str(out / "findings.json")
-    result.results["command"] = _analyze_command(trace_dir, layout_file, tp, pp, dp, quick, logs)  # for the report
-    if trace_format != "auto":
-        result.results["command"] += f" --format {trace_format}"
     try:
         click.echo(f"findings: {result.write_json(target)}", err=True)
     except OSError as exc:
@@ -133,6 +143,41 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
         click.echo(f"report: {_write_report(target)[0]}", err=True)
     if fail_on and result.at_least(Severity.parse(fail_on)):
         raise click.exceptions.Exit(3)
+
+
+# From this many ranks, a full analysis takes long enough (seconds at 4,096) that a hung job's verdict from the
+# quick pass comes first; below it, the full analysis is about as quick.
+VERDICT_FIRST_RANKS = 256
+
+
+def _many_rings(trace_dir: str, trace_format: str) -> bool:
+    """Whether TRACE_DIR holds rings of at least :data:`VERDICT_FIRST_RANKS` ranks (imported formats are read
+    whole even by the quick pass: it would gain nothing)."""
+    from megatrace.load.discovery import ring_files
+
+    if trace_format not in ("auto", "rings") or not os.path.isdir(trace_dir):
+        return False
+    try:
+        return len(ring_files(Path(trace_dir))[0]) >= VERDICT_FIRST_RANKS
+    except OSError:
+        return False  # (the full analysis says what is wrong with the directory)
+
+
+def _say_hang_first(result: AnalysisResult, out: Path, target: str) -> None:
+    """A hang the quick pass found: its verdict on stderr and its findings.json at once, before the full analysis
+    rewrites both; a quick pass that finds no hang says nothing (the full analysis may find a straggler)."""
+    from megatrace.analyze.findings import Severity
+    from megatrace.analyze.summary import render_verdict
+
+    top = result.verdict
+    if top is None or top.severity != Severity.CRITICAL:
+        return
+    try:
+        written = f"; its findings: {result.write_json(target)}"
+    except OSError:
+        written = ""  # (the full analysis reports a findings file it cannot write)
+    click.echo(f"hang verdict from the quick pass, {result.timings.get('total', 0.0):.1f} s{written}; the full "
+               "analysis follows:\n" + render_verdict(result) + "\n", err=True)
 
 
 def _job_output_files(job_id: str, given_dir: bool) -> list[Path]:
