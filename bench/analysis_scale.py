@@ -9,7 +9,9 @@ For every scale it writes a synthetic hung trace (``bench/synth_trace.py``: TP x
 times each, and prints one table: the best time of each mode, their ratio, the peak RSS, whether both
 name the same culprit, then the full analysis's report (render time, report.html and trace.json sizes),
 and the issue's targets (hang localisation within 1 s at 4,096 ranks and within
-10 s at 16,384 ranks, peak memory under 4 GiB) marked OK or MISSED. The machine's load is printed too:
+10 s at 16,384 ranks, peak memory under 4 GiB) marked OK or MISSED. At 4,096 and 16,384 ranks the last table
+times the commands as a user types them, whole processes (``bench/analyze_command.py``; ``--no-command``
+leaves it out). The machine's load is printed too:
 on a shared machine, times vary from run to run.
 
 Disk: about 135 KB per rank (16,384 ranks: 2.2 GB). Traces are removed afterwards unless ``--keep``;
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import analyze_command  # noqa: E402
 from synth_trace import generate  # noqa: E402
 
 TARGET_S = {4096: 1.0, 16384: 10.0}  # hang localisation (quick mode), seconds
@@ -101,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-repeat", type=int, default=1, help="runs of the (slow) full mode per scale")
     p.add_argument("-o", "--out", type=Path, default=None, help="where the traces go (reused when present)")
     p.add_argument("--keep", action="store_true", help="keep the generated traces")
+    p.add_argument("--no-command", action="store_true",
+                   help="skip the last table: `megatrace analyze` as typed, at 4,096 and 16,384 ranks")
     args = p.parse_args(argv)
     root = args.out or Path(tempfile.mkdtemp(prefix="megatrace-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []
+    commands: list[analyze_command.CommandRow] = []
     try:
         for ranks in args.ranks:
             hang = 1234 % ranks
@@ -116,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((ranks, full, quick))
             print(f"  full {full['time']:.2f} s, quick {min(quick['times']):.2f} s "
                   f"({', '.join(f'{t:.2f}' for t in quick['times'])})", file=sys.stderr)
+            if not args.no_command and ranks in analyze_command.TARGET_VERDICT_S:
+                simulated = analyze_command.simulated(root, ranks)
+                for kind, where in (("bench", trace), ("simulate", simulated)):
+                    commands.append(analyze_command.measure(ranks, kind, where, root / f"out-{kind}-{ranks}",
+                                                            args.repeat))
+                if not args.keep and args.out is None:
+                    shutil.rmtree(simulated)
             if not args.keep and args.out is None:
                 shutil.rmtree(trace)
     finally:
@@ -160,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ranks:>6} {full.get('report_s', 0):>9.2f} {mb:>15.2f} {full.get('trace_bytes', 0) / 1e6:>14.2f} "
               f"{full.get('report_rss_mib', 0):>9.0f}  "
               + (f"<= {TARGET_REPORT_MB:g} MB at 16,384 ranks {mark(ok)}" if ranks == 16384 else ""))
+    if commands:
+        missed += analyze_command.print_table(commands, analyze_command.import_floor_s(args.repeat))
     print(f"\nverdict ({rows[-1][0]} ranks, quick): {rows[-1][2]['verdict']}" if rows else "")
     return 1 if missed else 0
 

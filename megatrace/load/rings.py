@@ -213,20 +213,22 @@ class TailColumns:
     rows: dict[Path, tuple[int, int]]  # file -> (first row, count)
     snaps: dict[Path, RingSnapshot]  # what was read, without the records (they are in ``columns``)
     metas: dict[Path, bytes | None]  # the meta file's bytes (None: unreadable, read_meta will say why)
+    meta_paths: dict[Path, str]  # which meta file that is (by the rank in the ring's header)
 
 
-def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None]]:
-    """The tails of ``batch`` (``read_tails``) and the bytes of their meta files.
+def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None], list[str]]:
+    """The tails of ``batch`` (``read_tails``), the bytes of their meta files and those files' paths.
 
     The meta files are opened first and the kernel told they will be read (files not in the page
     cache are then read ahead together, while the rings are read), by the rank in their name;
     the rank in the ring header decides which file is read.
     """
     early: dict[str, int] = {}
+    named = [RING_RE.match(path.name) for path in batch]
+    ranks = [int(m.group(1)) if m else -1 for m in named]
+    guesses = [_meta_path_str(rank, path) for rank, path in zip(ranks, batch, strict=True)]
     try:
-        for path in batch[:open_budget()]:
-            m = RING_RE.match(path.name)
-            guess = _meta_path_str(int(m.group(1)) if m else -1, path)
+        for guess in guesses[:open_budget()]:
             try:
                 early[guess] = open_input(guess)
             except OSError:
@@ -235,19 +237,22 @@ def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None]]
                 os.posix_fadvise(early[guess], 0, 0, os.POSIX_FADV_WILLNEED)
         snaps = read_tails(batch, tail)
         metas: list[bytes | None] = []
-        for path, got in zip(batch, snaps, strict=True):
+        meta_paths: list[str] = []
+        for path, got, rank, guess in zip(batch, snaps, ranks, guesses, strict=True):
             data = None
+            meta = guess
             if isinstance(got, RingSnapshot):
-                meta = _meta_path_str(got.header.rank, path)
+                meta = guess if got.header.rank == rank else _meta_path_str(got.header.rank, path)
                 try:
                     data = _read_fd(early[meta]) if meta in early else _read_file(meta)
                 except OSError:
                     pass  # read_meta says why, later
             metas.append(data)
+            meta_paths.append(meta)
     finally:
         for fd in early.values():
             os.close(fd)
-    return snaps, metas
+    return snaps, metas, meta_paths
 
 
 _FADVISE = hasattr(os, "posix_fadvise")
@@ -260,15 +265,16 @@ def read_tail_columns(files: list[Path], tail: int, unreadable: list[str]) -> Ta
     rows: dict[Path, tuple[int, int]] = {}
     snaps: dict[Path, RingSnapshot] = {}
     metas: dict[Path, bytes | None] = {}
+    meta_paths: dict[Path, str] = {}
     n = 0
     for lo in range(0, len(files), TAIL_BATCH):
         batch = files[lo:lo + TAIL_BATCH]
-        got_snaps, got_metas = _read_batch(batch, tail)
+        got_snaps, got_metas, got_paths = _read_batch(batch, tail)
         parts: list[np.ndarray] = []
         ranks: list[int] = []
         counts: list[int] = []
         at = n
-        for path, got, meta in zip(batch, got_snaps, got_metas, strict=True):
+        for path, got, meta, meta_path in zip(batch, got_snaps, got_metas, got_paths, strict=True):
             if not isinstance(got, RingSnapshot):
                 unreadable.append(str(got))
                 continue
@@ -281,13 +287,14 @@ def read_tail_columns(files: list[Path], tail: int, unreadable: list[str]) -> Ta
             got.records = _NO_RECORDS  # (no reference to read_tails' buffer)
             snaps[path] = got
             metas[path] = meta
+            meta_paths[path] = meta_path
         if at > len(columns["rank"]):
             columns = {name: _grown(col, n, max(at, 2 * len(col))) for name, col in columns.items()}
         if at > n:
             _copy_columns(np.concatenate(parts).view(RECORD_DTYPE), columns, n)
             columns["rank"][n:at] = np.repeat(np.array(ranks, dtype=np.int32), counts)
             n = at
-    return TailColumns({name: col[:n] for name, col in columns.items()}, rows, snaps, metas)
+    return TailColumns({name: col[:n] for name, col in columns.items()}, rows, snaps, metas, meta_paths)
 
 
 def _grown(col: np.ndarray, used: int, size: int) -> np.ndarray:
@@ -360,7 +367,7 @@ def load_tails(chosen: dict[int, Path], tails: TailColumns, tally: Tally) -> Loa
         records = Records(**{name: col[take] for name, col in tails.columns.items()})
     infos: list[RankInfo] = []
     metas: dict[int, list[dict]] = {}
-    read = _read_metas([_meta_path_str(rank, path) for rank, path in order], [tails.metas[path] for _, path in order])
+    read = _read_metas([tails.meta_paths[path] for _, path in order], [tails.metas[path] for _, path in order])
     for (rank, path), (entries, meta_problems, found) in zip(order, read, strict=True):
         snap, h = tails.snaps[path], tails.snaps[path].header
         info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly,
