@@ -88,7 +88,9 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
     output log (slurm-<id>.out), read for the NCCL watchdog's positions and how ranks
     ended (--job finds it through Slurm). The verdict is printed first; every finding goes
     to findings.json (schema: docs/findings-schema.md). With --quick, a slow job is not
-    diagnosed (stragglers and the critical path need whole iterations).
+    diagnosed (stragglers and the critical path need whole iterations). From 256 ranks of
+    rings, a hung job's verdict from the quick pass comes first, on stderr and in
+    findings.json, while the full analysis runs; the full one then rewrites both.
     """
     from megatrace.analyze.engine import LayoutSpec, analyze as run_analysis, output_dir
     from megatrace.analyze.findings import Severity
