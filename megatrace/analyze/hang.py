@@ -31,6 +31,7 @@ A job that is alive but silent everywhere, far longer than usual, is a *stall*.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -296,6 +297,7 @@ def _wait_for_graph(trace: TraceSet, m: MatchResult, te: np.ndarray, pending: np
         first_wait.setdefault(int(rec.rank[row]), row)
     first_wait = {r: row for r, row in first_wait.items() if not rec.flags[row] & Flag.ASYNC}
     waits: dict[int, list[Wait]] = {}
+    label_of = functools.partial(record_label, trace)
     for row in pending.tolist():
         rank = int(rec.rank[row])
         if rank in culprits:  # it stopped running: it waits for nothing, the others wait for it
@@ -321,8 +323,7 @@ def _wait_for_graph(trace: TraceSet, m: MatchResult, te: np.ndarray, pending: np
                 target = peer
             else:
                 target = ("link", rank, peer) if is_send else ("link", peer, rank)
-        wait = Wait(rank, row, record_label(trace, row), int(te[row]), bool(rec.state[row] == State.FAILED),
-                    row in out_set, target)
+        wait = Wait(rank, row, int(te[row]), bool(rec.state[row] == State.FAILED), row in out_set, target, label_of)
         waits.setdefault(rank, []).append(wait)
         if target is not None:
             graph.add_edge(rank, target, wait=wait)

@@ -12,8 +12,9 @@ one root (:func:`merge_co_missing`), ranks the launcher ended after a crash drop
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import networkx as nx
 import numpy as np
@@ -54,11 +55,17 @@ class Wait:
 
     rank: int
     row: int
-    label: str  # "TP all_reduce #49 (group [4, 5])", "PP recv #13 from rank 4"
     since_ns: int  # aligned enqueue time
     failed: bool  # the call raised (e.g. a timeout)
     outstanding_async: bool  # not the rank's last call: an async op it probably waits on
     target: Hashable | None  # graph node it points at
+    labeller: Callable[[int], str] = field(repr=False, compare=False)  # a row's label (words.record_label)
+
+    @cached_property
+    def label(self) -> str:
+        """"TP all_reduce #49 (group [4, 5])", "PP recv #13 from rank 4": made when shown (thousands of ranks
+        wait, a few are named)."""
+        return self.labeller(self.row)
 
 
 @dataclass
