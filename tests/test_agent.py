@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.outside import wait_for
 
 from megatrace.collect.agent import (Agent, AgentConfig, StepsAgent, default_collect_cmd, default_state_dir,
                                      node_pattern, pid_alive, request_trigger, scan)
@@ -146,7 +147,7 @@ def test_a_live_writer_that_stops_completing_is_flagged_and_a_healthy_one_is_not
     hung = writers.start(tmp_path / "hung", 1, 2, "hang", n=5)
     onset = _hung_at(hung)
     flagged_at = None
-    end = time.monotonic() + 3 * timeout + 1
+    end = time.monotonic() + 3 * timeout + 1  # a fixed window, watched throughout: the healthy one never flags
     while time.monotonic() < end:
         now = time.monotonic_ns()
         (good,), _ = scan(str(tmp_path / "healthy"), now, timeout, pid_alive)
@@ -157,7 +158,7 @@ def test_a_live_writer_that_stops_completing_is_flagged_and_a_healthy_one_is_not
             assert "all_reduce outstanding" in bad.reason
         elif flagged_at is None:
             assert now - onset <= (timeout + 0.1) * S, "not flagged within the hang timeout"
-        time.sleep(0.1)
+        time.sleep(0.1)  # the window's sampling period (a duration: nothing to wait for)
     assert flagged_at is not None and flagged_at - onset <= (timeout + 0.5) * S
     # a writer killed with its ring open is "exited" at once
     os.kill(writers.procs[0].pid, signal.SIGKILL)
@@ -179,11 +180,11 @@ def test_one_hung_node_beside_a_healthy_one_is_not_a_job_hang(writers: Writers, 
     ran = tmp_path / "collector-ran"
     cmd = [sys.executable, "-c", f"open({str(ran)!r}, 'a').write('{{trigger}}')"]
     a1, a2 = _agent(tmp_path, "n1", cmd), _agent(tmp_path, "n2", cmd)
-    end = time.monotonic() + 3.0
+    end = time.monotonic() + 3.0  # a fixed window, three hang timeouts: no job hang may be declared in it
     states = set()
     while time.monotonic() < end:
         states.add((a1.poll(), a2.poll()))
-        time.sleep(0.2)
+        time.sleep(0.2)  # the agents' poll period (a duration: nothing to wait for)
     assert (SUSPECT, HEALTHY) in states and not ran.exists() and not (tmp_path / "state" / "hang.json").exists()
     # a request through the state directory (the batch script's USR1 trap) runs the collector once
     request_trigger(str(tmp_path / "state"), "timelimit")
@@ -194,7 +195,7 @@ def test_one_hung_node_beside_a_healthy_one_is_not_a_job_hang(writers: Writers, 
     try:
         a1.install_signals()
         os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.05)
+        wait_for(lambda: a1.requested, timeout=5, step=0.05, awaited="the agent's SIGUSR1 handler")
         assert a1.requested == ["timelimit"]  # already collected for that reason: not run again
         a1.poll()
         assert ran.read_text() == "timelimit"
@@ -222,10 +223,14 @@ def test_every_step_is_watched_and_a_hang_of_the_second_is_collected_into_its_fo
     assert agent.poll() == HEALTHY and list(agent.steps) == ["step-0"]
     setup.wait(timeout=30)  # its writer closed its ring: the step finished
     writers.start(node / "step-1", 0, 1, "hang", n=3)
-    confirmed = time.monotonic() + 15
-    while not ran.exists() and time.monotonic() < confirmed:
+
+    def collected() -> bool:  # the agent polled until it has collected
+        if ran.exists():
+            return True
         agent.poll()
-        time.sleep(0.2)
+        return False
+
+    wait_for(collected, timeout=15, step=0.2)  # (a timeout fails below, with the agent's log)
     assert list(agent.steps) == ["step-0", "step-1"], log
     assert ran.read_text().split() == ["hang"], log
     step1 = agent.steps["step-1"].cfg
@@ -260,10 +265,7 @@ def test_two_agents_confirm_a_hang_together_and_collect_it_with_mpiexec(writers:
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         onset = min(_hung_at(p) for p in hung)
         report = job / "megatrace-42" / "collection.json"
-        deadline = time.monotonic() + timeout + 40
-        while not report.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert report.exists(), "no collection after the hang"
+        assert wait_for(report.exists, timeout + 40, step=0.2), "no collection after the hang"
         took = (time.monotonic_ns() - onset) / S
         assert took <= timeout + 60, took
         doc = json.loads(report.read_text())
@@ -274,7 +276,7 @@ def test_two_agents_confirm_a_hang_together_and_collect_it_with_mpiexec(writers:
         assert hang["suspect"] == ["n1", "n2"] and hang["healthy"] == []
         assert (state / "collect-hang.lock").exists()
         assert json.loads((job / "megatrace-42" / "procs.json").read_text())["outcome"] == "stalled"
-        time.sleep(1.0)  # the other agent keeps watching but does not collect again
+        time.sleep(1.0)  # a duration (nothing to wait for): the other agent keeps watching but does not collect again
         assert not (job / "megatrace-42.1").exists()
     finally:
         for p in agents:
@@ -314,7 +316,7 @@ def test_a_killed_rank_makes_its_node_suspect_only_after_the_exit_grace(writers:
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=10)
     assert agent.poll() == HEALTHY  # just gone: maybe a scancel that is about to stop this agent too
-    time.sleep(1.1)
+    time.sleep(1.1)  # a duration, not a wait: the exit grace (the 1 s hang timeout) runs out
     assert agent.poll() == SUSPECT
 
 
@@ -335,12 +337,16 @@ def test_a_crashed_rank_with_its_peers_stuck_is_collected_as_a_failure(writers: 
             f"{tmp_path}/%n", "--job-dir", str(job), "--job-id", "42", "--trigger", "{trigger}", "--no-system",
             "--no-stacks", "--timeout", "20"]
     agents = [_agent(tmp_path, node, [MPIEXEC, *collector], timeout=1.0) for node in ("n1", "n2")]
-    end = time.monotonic() + 20
     report = job / "megatrace-42" / "collection.json"
-    while not report.exists() and time.monotonic() < end:
+
+    def collected() -> bool:  # the agents polled until one of them has collected
+        if report.exists():
+            return True
         for a in agents:
             a.poll()
-        time.sleep(0.2)
+        return False
+
+    wait_for(collected, timeout=20, step=0.2, awaited="the collection of the crash")
     doc = json.loads(report.read_text())
     assert doc["trigger"]["reason"] == "failure" and "ranks 0 are gone" in doc["trigger"]["detail"]
     procs = json.loads((job / "megatrace-42" / "procs.json").read_text())["ranks"]

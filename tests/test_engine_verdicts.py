@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -48,9 +47,9 @@ class DemoRun:
 
     def victim_pid(self, min_records: int = 30, timeout: float = 180) -> int:
         """The victim's pid once both ranks have recorded ``min_records`` calls (past start-up)."""
-        deadline = time.monotonic() + timeout
         rings = [self.out / "rings" / f"rank-{r:05d}.ring" for r in range(self.ranks)]
-        while time.monotonic() < deadline:
+
+        def going() -> int | None:
             try:
                 snaps = [read_ring(p) for p in rings]
                 if all(s.header.write_counter >= min_records for s in snaps):
@@ -58,8 +57,9 @@ class DemoRun:
             except (OSError, ValueError, RingFormatError):  # a ring being created reads as no ring yet
                 pass
             assert self.proc.poll() is None, Path(self.log.name).read_text()[-3000:]
-            time.sleep(0.2)
-        raise AssertionError(f"the demo did not get going in {timeout} s")
+            return None
+
+        return wait_for(going, timeout, step=0.2, awaited=f"the demo to get going ({min_records} calls on every rank)")
 
     def end(self, timeout: float = 120) -> None:
         try:

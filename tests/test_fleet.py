@@ -129,7 +129,7 @@ class _Receiver(BaseHTTPRequestHandler):
     delay = 0.0
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        time.sleep(self.delay)
+        time.sleep(self.delay)  # a duration, not a wait: a receiver that answers late (or hangs)
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).got.append(json.loads(body))
         self.send_response(200)

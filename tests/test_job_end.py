@@ -89,7 +89,8 @@ def test_the_leader_waits_for_the_others_then_names_the_crashed_rank(tmp_path: P
     rows = [f"step=0 rank={r} pid={p['pid']} status={EXITED_1 if r == '2' else int(signal.SIGKILL)} "
             f"wall_ns={now + (0 if r == '2' else 1000 + int(r))}" for r, p in launcher.items()]
     _exits(tmp_path, {"n1": rows})
-    # n2 marks itself done a moment after the leader starts waiting.
+    # n2 marks itself done a moment after the leader starts waiting (its sleep is a duration: the leader must
+    # wait for it, at least a second).
     marker = subprocess.Popen([sys.executable, "-c", "import time, pathlib; time.sleep(1.5); "
                                f"pathlib.Path({str(tmp_path / '.agents' / 'epilog' / 'n2')!r}).write_text('x')"])
     done = finish_job(str(tmp_path), str(tmp_path / ".agents"), "n1", ["n1", "n2"], wait_s=20)

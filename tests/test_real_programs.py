@@ -20,7 +20,7 @@ import pytest
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Kind, Severity
 from megatrace.trace.ring_reader import RingFormatError, read_ring
-from helpers.outside import Throttle
+from helpers.outside import Throttle, wait_for
 
 pytest.importorskip("torch")
 
@@ -44,7 +44,8 @@ class Job:
     def __init__(self, program: Path, out: Path, *args: str) -> None:
         self.rings = out / "rings"
         env = dict(os.environ, MEGATRACE_ENABLE="1", MEGATRACE_DIR=str(self.rings), MEGATRACE_JOB_ID="real",
-                   PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+                   PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+                   PYTHONFAULTHANDLER="1")  # a SIGABRT from a test writes every thread's Python stack to job.log
         self.log = (out / "job.log").open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-addr",
@@ -53,8 +54,8 @@ class Job:
 
     def pid(self, rank: int, warm_records: int = 40, timeout: float = 120) -> int:
         """The pid of ``rank`` once every rank has recorded ``warm_records`` calls (training is under way)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def warm() -> int | None:
             try:
                 snaps = [read_ring(self.rings / f"rank-{r:05d}.ring") for r in range(WORLD)]
                 if all(s.header.write_counter >= warm_records for s in snaps):
@@ -62,8 +63,9 @@ class Job:
             except (OSError, ValueError, RingFormatError):  # a ring being created reads as no ring yet
                 pass
             assert self.proc.poll() is None, (self.rings.parent / "job.log").read_text()[-3000:]
-            time.sleep(0.2)
-        raise AssertionError(f"the job did not warm up in {timeout} s")
+            return None
+
+        return wait_for(warm, timeout, step=0.2, awaited=f"the job to warm up ({warm_records} calls on every rank)")
 
     def worker_pids(self) -> list[int]:
         """The ranks' processes (torchrun starts each in a session of its own), from their ring headers."""
@@ -136,6 +138,8 @@ def test_a_stopped_rank_is_named_while_it_hangs(program: Path, tmp_path: Path, j
     pid = job.pid(2)
     os.kill(pid, signal.SIGSTOP)
     try:
+        # A duration, not a wait: the rank stays stopped for seconds, as in an incident, before anyone looks (its
+        # peers block on it meanwhile, and its heartbeat falls behind theirs by more than FROZEN_NS, 3 s).
         time.sleep(4)
         result, top = _top(job.rings)  # live: the job hangs while we look
     finally:
@@ -190,20 +194,44 @@ def test_a_rank_whose_sigterm_comes_late_goes_with_the_job(tmp_path: Path, jobs:
         for pid in job.worker_pids():
             if pid != late:
                 os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not read_ring(ring3).header.closed_cleanly \
-                and Path(f"/proc/{late}").exists():
-            time.sleep(0.1)  # rank 3 fails in its next all-reduce and unwinds
+        # rank 3 fails in its next all-reduce and unwinds (a timeout fails below, with the diagnosis)
+        unwound = wait_for(lambda: read_ring(ring3).header.closed_cleanly or not Path(f"/proc/{late}").exists(), 60,
+                           step=0.1)
+        stuck = "" if unwound else _where_it_is(late, job)
     finally:
         os.kill(job.proc.pid, signal.SIGCONT)
     job.kill_all(signal.SIGTERM)
     job.wait()
     result = analyze(job.rings)
-    assert read_ring(ring3).header.closed_cleanly, _diagnosis(result)
+    assert read_ring(ring3).header.closed_cleanly, _diagnosis(result) + stuck
     healthy = [f for f in result.findings if f.kind == Kind.HEALTHY]
     assert len(healthy) == 1 and "ended as a whole" in healthy[0].verdict, _diagnosis(result)
     assert "rank 3 closed the tracer after the others were ended" in str(healthy[0].evidence), _diagnosis(result)
     assert not [f for f in result.findings if f.kind in HANG_KINDS], _diagnosis(result)
+
+
+def _where_it_is(pid: int, job: Job) -> str:
+    """Where a process that should have ended is: its threads' kernel wait channels, then (SIGABRT, caught by
+    PYTHONFAULTHANDLER) every thread's Python stack, from the job's log."""
+    lines = ["", f"pid {pid} still running:"]
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            lines.append(f"  thread {task.name} {state} in {(task / 'wchan').read_text() or '-'}")
+        except OSError:
+            pass
+    os.kill(pid, signal.SIGABRT)
+    wait_for(lambda: _state(pid) in ("Z", "X", ""), 10, step=0.1)  # (a zombie: its launcher is stopped)
+    job.log.flush()
+    return "\n".join(lines) + "\n" + (job.rings.parent / "job.log").read_text()[-12000:]
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (R, S, D, Z...), "" when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _diagnosis(result) -> str:
@@ -221,12 +249,14 @@ def test_a_live_job_silent_everywhere_is_a_stall_not_healthy(tmp_path: Path, job
     job = Job(PLAYER, tmp_path, "--iterations", "100000", "--seconds", "120", "--pause-at", "30", "--pause-s", "60")
     jobs.append(job)
     job.pid(0, warm_records=60)
-    deadline = time.monotonic() + 90
-    stall = None
-    while time.monotonic() < deadline and stall is None:  # the pause starts at iteration 30
-        time.sleep(2)
-        result, top = _top(job.rings)
-        stall = top if top.kind == Kind.STALL else None
+    looks = []
+
+    def stalled():  # the pause starts at iteration 30
+        looks.append(_top(job.rings))
+        return looks[-1][1] if looks[-1][1].kind == Kind.STALL else None
+
+    stall = wait_for(stalled, timeout=90, step=2)
+    result, top = looks[-1]
     assert stall is not None, top.verdict
     assert stall.severity == Severity.WARNING and "alive" in stall.verdict
     assert not [f for f in result.findings if f.kind == Kind.HEALTHY]

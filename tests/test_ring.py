@@ -332,7 +332,7 @@ def test_sigkill_mid_write(kind, capacity, delay):
         child.start()
         try:
             assert ready.wait(10)
-            time.sleep(delay)
+            time.sleep(delay)  # a duration (drawn), not a wait: where in the stream the kill lands
             os.kill(child.pid, signal.SIGKILL)
         finally:
             child.join(10)

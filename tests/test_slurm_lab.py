@@ -37,15 +37,17 @@ FAIL_FILE = Path("/etc/megatrace/fail-preflight-n2")
 
 def wait_job(job_id: str, timeout: float = 180) -> dict[str, str]:
     """Until the job is finished and its epilogs are done (not COMPLETING)."""
-    until = time.monotonic() + timeout
     info: dict[str, str] = {}
-    while time.monotonic() < until:
+
+    def finished() -> bool:
+        nonlocal info
         info = job_info(job_id)
-        if info.get("JobState") in TERMINAL and "COMPLETING" not in info.get("Reason", ""):
-            # Epilogs of every node are done once no node is still completing this job.
-            if not _run(["squeue", "-h", "-j", job_id, "-t", "CG"]).stdout.strip():
-                return info
-        time.sleep(0.5)
+        # Epilogs of every node are done once no node is still completing this job.
+        return (info.get("JobState") in TERMINAL and "COMPLETING" not in info.get("Reason", "")
+                and not _run(["squeue", "-h", "-j", job_id, "-t", "CG"]).stdout.strip())
+
+    if wait_for(finished, timeout, step=0.5):
+        return info
     _run(["scancel", job_id])
     raise AssertionError(f"job {job_id} not finished after {timeout:g} s: {info}")
 
@@ -175,26 +177,24 @@ def test_a_failed_preflight_drains_the_node_and_the_job_runs_on_the_others(lab, 
     os.chmod(FAIL_FILE, 0o644)
     try:
         job = submit("srun bash -c 'echo $SLURMD_NODENAME'\n", tmp_path, "--megatrace", "-N3")
-        until = time.monotonic() + 60
-        while "drain" not in node_state("n2")[0] and time.monotonic() < until:
-            time.sleep(0.5)
+        wait_for(lambda: "drain" in node_state("n2")[0], timeout=60)  # (a timeout fails below)
         state, reason = node_state("n2")
         # the check's own reason (MEGATRACE_CHECK_REASON_FILE), not the prolog's fallback
         assert "drain" in state and reason.startswith("megatrace: drill: injected by the test suite"), (state, reason)
-        until = time.monotonic() + 60
-        while int(job_info(job).get("Restarts", 0)) < 1 and time.monotonic() < until:
-            time.sleep(0.5)
+        wait_for(lambda: int(job_info(job).get("Restarts", 0)) >= 1, timeout=60)  # (a timeout fails below)
         assert int(job_info(job)["Restarts"]) >= 1, job_info(job)
+
         # Slurm holds a requeued job back for two minutes (Reason=BeginTime, set once the requeue
         # is done, a moment after Restarts counts it); the lab need not wait.
-        until = time.monotonic() + 60
-        while time.monotonic() < until:
+        def started() -> bool:
             info = job_info(job)
             if info.get("JobState") == "RUNNING" or info.get("JobState") in TERMINAL:
-                break
+                return True
             if info.get("Reason") == "BeginTime":
                 _run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-            time.sleep(1)
+            return False
+
+        wait_for(started, timeout=60, step=1)  # (a timeout fails in wait_job below)
         info = wait_job(job, timeout=120)
         assert info["JobState"] == "COMPLETED", info
         assert sorted(output(tmp_path, job).split()) == ["n1", "n3", "n4"]
@@ -322,7 +322,7 @@ def test_slurmd_runs_the_health_check_each_interval_drains_alerts_once_and_resum
         assert wait_for(lambda: "drain" in node_state("n3")[0], timeout=3 * interval), node_state("n3")
         assert time.monotonic() - injected <= interval + 10  # one interval, plus the check's own run time
         assert node_state("n3")[1].startswith("megatrace:") and "slurmd health check" in node_state("n3")[1]
-        time.sleep(2 * interval)  # two more failing checks: still one alert
+        time.sleep(2 * interval)  # a duration, not a wait (nothing is to arrive): two more failing checks, one alert
         assert len(got) == 1 and got[0]["key"] == "n3:node.injected", got
         fail.unlink()
         assert wait_for(lambda: "drain" not in node_state("n3")[0], timeout=4 * interval), node_state("n3")
@@ -478,11 +478,13 @@ def _victims_file(user_dir: Path, test_user: pwd.struct_passwd) -> Path:
 
 
 # The attacker's loop: keep making the victim's node directory (and step-0) first, world-writable, with the
-# victim's meta file as a link to a file of the victim's; read whatever appears in it. Runs until STOP exists.
+# victim's meta file as a link to a file of the victim's; read whatever appears in it. Runs until STOP exists;
+# makes STOP.running first, when it starts.
 ATTACK_LOOP = r"""
 import os, sys, time
 node_dir, target, stop = sys.argv[1], sys.argv[2], sys.argv[3]
 made, seen = 0, []
+open(stop + ".running", "w").close()
 while not os.path.exists(stop):
     for d in (node_dir, node_dir + "/step-0"):
         try:
@@ -542,19 +544,22 @@ def test_another_user_racing_the_prolog_for_the_node_directory_gets_nothing_of_t
         assert (SHM_BASE.stat().st_uid, product_mode) == (0, 0o755)  # as the plugin and prolog make it
     SHM_BASE.chmod(base_mode)
     stop = Path(f"/tmp/megatrace-attack-stop-{os.getpid()}")
+    running = Path(f"{stop}.running")
+    running.unlink(missing_ok=True)
     job = submit(TRACER_STEP.format(pkg=user_pkg, python=USER_PYTHON), user_dir, "--megatrace=check=off", "-N1",
                  "-w", "n1", "--hold", user=TEST_USER)
     node_dir = SHM_BASE / f"job-{job}.n1"
     loop = subprocess.Popen(["runuser", "-u", ATTACKER, "--", USER_PYTHON, "-c", ATTACK_LOOP, str(node_dir),
                              str(target), str(stop)], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)  # the loop is running
+        wait_for(running.exists, timeout=30, step=0.05)  # the loop is running (a timeout fails below)
         _run(["scontrol", "release", job])
         info = wait_job(job, timeout=180)
     finally:
         stop.touch()
         said = loop.communicate(timeout=60)[0]
         stop.unlink()
+        running.unlink(missing_ok=True)
         SHM_BASE.chmod(product_mode)
     made, reads = said.split()[:2]
     text = output(user_dir, job)
@@ -711,14 +716,13 @@ def _top_finding(step_dir: Path) -> dict:
 
 def _sacct_state(job: str) -> str:
     """The job's state as `sacct --completion` (the lab's jobcomp/filetxt) records it."""
-    until = time.monotonic() + 30
-    while time.monotonic() < until:
+
+    def states() -> list[str]:
         rows = _run(["sacct", "-c", "-n", "-P", "-j", job, "-o", "JobID,State"]).stdout.split()
-        states = [r.split("|")[1] for r in rows if r.split("|")[0] == job]
-        if states:
-            return states[-1]
-        time.sleep(1)
-    return ""
+        return [r.split("|")[1] for r in rows if r.split("|")[0] == job]
+
+    found = wait_for(states, timeout=30, step=1)
+    return found[-1] if found else ""
 
 
 @pytest.mark.slow

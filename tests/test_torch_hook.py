@@ -73,7 +73,7 @@ def test_reader_sees_the_wedged_call_as_entered_while_it_blocks(tmp_path: Path) 
         return len(recs) >= 2 and recs[-1]["state"] == State.ENQUEUED
 
     seen_entered = wait_for(entered, timeout=60, step=0.05)
-    time.sleep(0.3)  # a while longer: the record must hold the wait (checked below)
+    time.sleep(0.3)  # a duration, not a wait: blocked a while longer, the record must hold it (checked below)
     assert read_ring(ring).to_dicts()[-1]["state"] == State.ENQUEUED  # still blocked: rank 1 is late
     (tmp_path / "go").touch()
     finish(procs)

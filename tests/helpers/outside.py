@@ -42,12 +42,22 @@ class Throttle:
             pass
 
 
-def wait_for(what: Callable[[], T], timeout: float, step: float = 0.5) -> T:
-    """Poll ``what`` until it returns something true or ``timeout`` seconds pass; its last value."""
+def wait_for(what: Callable[[], T], timeout: float, step: float = 0.5, awaited: str | None = None) -> T:
+    """Poll ``what`` every ``step`` seconds until it returns something true or ``timeout`` seconds pass; its last
+    value. The tests wait with this, never with a fixed sleep: a condition polled returns as soon as it holds, and
+    a loaded machine only makes it take longer. Cheap conditions poll every 50 ms (``step=0.05``); the default
+    suits costly ones (an analysis, ``scontrol``).
+
+    ``awaited``: what is waited for, in words; then a timeout fails the test, saying what and for how long.
+    Without it the caller judges the false value returned (``assert wait_for(...), detail``).
+    """
     until = time.monotonic() + timeout
     while time.monotonic() < until:
         value = what()
         if value:
             return value
         time.sleep(step)
-    return what()
+    value = what()
+    if not value and awaited is not None:
+        raise AssertionError(f"waited {timeout:g} s for {awaited}, in vain (last seen: {value!r})")
+    return value

@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
+
+from helpers.outside import wait_for
 
 WORLD = 4
 PROGRAM = """
@@ -50,9 +51,8 @@ def torchrun_job(tmp_path: Path, fault: Callable[[dict[int, int]], None], crash_
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, CRASH_RANK=crash_rank, OMP_NUM_THREADS="1", **(env or {})))
         try:
-            deadline = time.monotonic() + 120
-            while len(list(pids_dir.iterdir())) < WORLD and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
+            # every rank past its 20th all-reduce (it wrote its pid), or the job ended early
+            wait_for(lambda: len(list(pids_dir.iterdir())) >= WORLD or proc.poll() is not None, 120, step=0.2)
             fault({int(p.name.split("-")[1]): int(p.read_text()) for p in pids_dir.iterdir()})
             proc.wait(timeout=120)
         finally:
