@@ -1,9 +1,11 @@
-"""PyTorch Flight Recorder dumps from real torch gloo runs: imported, analysed, compared with torchfrtrace.
+"""PyTorch Flight Recorder dumps from real torch gloo runs: imported, analysed.
 
-Two real runs, each once per module: the demo with an injected hang (TP2 x PP2, its opt-in hook
-MEGATRACE_DEMO_FR_DUMP writes every rank's ``_dump_fr_trace()`` each second), and a three-rank
-script whose rank 0 calls one all_reduce with the wrong dtype. ``fault.json`` (ground truth) is read
-by these tests only.
+Real runs, checked in so that these tests need no torch: demo runs (TP2 x PP2; their opt-in hook
+MEGATRACE_DEMO_FR_DUMP writes every rank's ``_dump_fr_trace()`` each second) with a hang, with a slow rank, and
+healthy (tests/data/scenarios/, tests/helpers/scenarios.py regenerates them), and a three-rank script whose rank 0
+calls one all_reduce with the wrong dtype (tests/data/flight_recorder/dtype-mismatch, tests/helpers/torch_runs.py).
+``fault.json`` (ground truth) is read by these tests only. tests/test_import_flight_recorder_live.py runs the demo
+and the script live, and compares with torch's own analyzer, torchfrtrace.
 """
 
 from __future__ import annotations
@@ -11,87 +13,40 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers.nccl_logs import write_nccl_logs  # the NCCL-patch log writer
+from helpers.scenarios import unpack as unpack_scenario
+from helpers.torch_runs import unpack as unpack_run
 
-pytest.importorskip("torch")
-pytestmark = pytest.mark.slow  # real multi-process torch runs
-
-from megatrace.analyze.engine import analyze  # noqa: E402
-from megatrace.analyze.findings import Kind, Severity  # noqa: E402
-from megatrace.analyze.straggler_stats import RankStats  # noqa: E402
-from megatrace.analyze.stragglers import _explain_neighbours  # noqa: E402
-from megatrace.cli import main  # noqa: E402
-from megatrace.demo.launcher import DemoOptions, run_local  # noqa: E402
-from megatrace.load import load_trace  # noqa: E402
-from megatrace.load.importers import detect_format  # noqa: E402
-from megatrace.load.importers.flight_recorder import find_dumps, read_dump  # noqa: E402
-from megatrace.load.importers.safe_pickle import UnsafePickleError, safe_loads  # noqa: E402
-from megatrace.load.traceset import TraceLoadError  # noqa: E402
-from megatrace.trace.ring_format import Op, State  # noqa: E402
-from helpers.nccl_logs import write_nccl_logs  # noqa: E402  (the NCCL-patch log writer)
-
-FR_ENV = {"TORCH_FR_BUFFER_SIZE": "2000"}
+from megatrace.analyze.engine import analyze
+from megatrace.analyze.findings import Kind, Severity
+from megatrace.analyze.straggler_stats import RankStats
+from megatrace.analyze.stragglers import _explain_neighbours
+from megatrace.cli import main
+from megatrace.load import load_trace
+from megatrace.load.importers import detect_format
+from megatrace.load.importers.flight_recorder import find_dumps, read_dump
+from megatrace.load.importers.safe_pickle import UnsafePickleError, safe_loads
+from megatrace.load.traceset import TraceLoadError
+from megatrace.trace.ring_format import Op, State
 
 
 @pytest.fixture(scope="module")
 def hang_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo, rank 1 hangs at step 2; rings and Flight Recorder dumps (out/fr/fr_rank_<R>)."""
-    out = tmp_path_factory.mktemp("fr") / "hang"
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {**FR_ENV, "MEGATRACE_DEMO_FR_DUMP": str(out / "fr")}.items():
-            mp.setenv(k, v)
-        run_local(DemoOptions(tp=2, pp=2, dp=1, steps=4, faults=("hang:rank=1,step=2",), out=out, stall_s=8.0),
-                  log=lambda msg: None)
+    out = unpack_scenario("hang-rank1-fr-tp2pp2", tmp_path_factory.mktemp("fr") / "hang")
     steps = (out / "metrics" / "rank-00001.jsonl").read_text().count("\n")
-    assert steps == 2, f"the demo stopped at step {steps}, not at the injected hang (machine overloaded?)"
+    assert steps == 2, f"the scenario stopped at step {steps}, not at the injected hang (regenerate it)"
     return out
-
-
-MISMATCH_SCRIPT = textwrap.dedent("""
-    import os, sys, torch, torch.distributed as dist
-    rank, out, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=3)
-    for _ in range(3):
-        dist.all_reduce(torch.ones(4))
-    # the bug: rank 0 reduces int32 where the others reduce float32 (same byte count: gloo does not notice)
-    dist.all_reduce(torch.ones(4, dtype=torch.int32 if rank == 0 else torch.float32))
-    for _ in range(2):
-        dist.all_reduce(torch.ones(4))
-    import time
-    time.sleep(1.0)  # let the recorder retire the last calls: both dumps below must see the same states
-    open(f"{out}/fr_rank_{rank}", "wb").write(torch._C._distributed_c10d._dump_fr_trace())
-    open(f"{out}/json/fr_rank_{rank}.json", "wb").write(torch._C._distributed_c10d._dump_fr_trace_json())
-    dist.destroy_process_group()
-""")
 
 
 @pytest.fixture(scope="module")
 def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three real gloo ranks; rank 0 (torchfrtrace's reference rank) calls all_reduce #4 with the wrong dtype."""
-    import socket
-
-    out = tmp_path_factory.mktemp("fr") / "mismatch"
-    (out / "json").mkdir(parents=True)
-    script = out.parent / "mismatch.py"
-    script.write_text(MISMATCH_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {**os.environ, **FR_ENV, "MEGATRACE_ENABLE": "0"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(out), port], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(3)]
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err.decode()[-2000:]
-    return out
+    return unpack_run("flight_recorder/dtype-mismatch", tmp_path_factory.mktemp("fr") / "mismatch")
 
 
 def test_real_dumps_have_the_fields_the_importer_reads(hang_run: Path) -> None:
@@ -125,14 +80,14 @@ def test_the_demo_hang_is_named_from_flight_recorder_dumps_alone(hang_run: Path)
     assert top.subject.rank == fault["rank"], top.verdict
 
 
-@pytest.mark.parametrize("faults", [("slow:rank=2,factor=2",), ()], ids=["slow", "healthy"])
-def test_a_slow_rank_is_named_from_dumps_and_logs_without_completion_times(tmp_path: Path, faults: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("scenario,slow", [("slow-rank2-fr-tp2pp2", True), ("healthy-fr-tp2pp2-6steps", False)],
+                         ids=["slow", "healthy"])
+def test_a_slow_rank_is_named_from_dumps_and_logs_without_completion_times(tmp_path: Path, scenario: str,
+                                                                           slow: bool) -> None:
     """Gloo dumps give arrivals only: compute between calls is measured from each instance's last arrival."""
-    out = tmp_path / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {**FR_ENV, "MEGATRACE_DEMO_FR_DUMP": str(out / "fr")}.items():
-            mp.setenv(k, v)
-        run_local(DemoOptions(tp=2, pp=2, dp=1, steps=6, faults=faults, out=out, stall_s=8.0), log=lambda msg: None)
+    out = unpack_scenario(scenario, tmp_path / "run")
+    faults = json.loads((out / "fault.json").read_text())["faults"]
+    assert bool(faults) == slow, faults
     result = analyze(out, format="flight-recorder")
     assert "critical_path" in result.results["skipped_stages"] and "stragglers" not in result.results["skipped_stages"]
     named = [f.subject.rank for f in result.findings if f.kind == Kind.STRAGGLER]
@@ -140,7 +95,7 @@ def test_a_slow_rank_is_named_from_dumps_and_logs_without_completion_times(tmp_p
     write_nccl_logs(load_trace(out), tmp_path / "logs", group_hash=False)
     from_logs = [f.subject.rank for f in analyze(tmp_path / "logs").findings if f.kind == Kind.STRAGGLER]
     if faults:
-        (fault,) = json.loads((out / "fault.json").read_text())["faults"]
+        (fault,) = faults
         assert named == [fault["rank"]] and result.findings[0].kind == Kind.STRAGGLER, result.findings[0].verdict
         assert from_logs == [fault["rank"]]
         top = result.findings[0]  # without completion times, the slowdown quoted is a lower bound, and says so
@@ -172,28 +127,8 @@ def test_the_cli_detects_dumps_in_a_subdirectory(hang_run: Path, tmp_path: Path)
     assert doc["findings"][0]["subject"]["rank"] == 1
 
 
-def _torchfrtrace_culprits(dumps: Path, tmp: Path) -> set[int]:
-    """Run torch's own analyzer (torchfrtrace) and collect the ranks it calls culprits.
-
-    gloo leaves ``pg_config`` empty, where NCCL records each group's members; torchfrtrace needs them, so
-    the copies it reads get the world group's members filled in as NCCL would record them.
-    """
-    tmp.mkdir()
-    for p in find_dumps(dumps):
-        dump = pickle.loads(p.read_bytes())  # our own run's dump: trusted
-        dump["pg_config"] = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}}
-        (tmp / p.name).write_bytes(pickle.dumps(dump))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "COLLECTIVE_DTYPE_MISMATCH" in run.stdout + run.stderr
-    return {int(r) for r in re.findall(r"Culprit rank (\d+)", run.stdout + run.stderr)}
-
-
-def test_torchfrtrace_blames_the_good_ranks_when_its_reference_rank_is_the_bad_one(mismatch_run: Path,
-                                                                                    tmp_path: Path) -> None:
-    blamed = _torchfrtrace_culprits(mismatch_run, tmp_path / "frtrace")
-    assert blamed == {1, 2}  # torchfrtrace compares everyone with rank 0 and assumes rank 0 is right
+def test_the_rank_with_the_wrong_dtype_is_the_odd_one_out(mismatch_run: Path) -> None:
+    """Where torchfrtrace blames the good ranks (it takes its reference rank, 0, for right: see the live tests)."""
     result = analyze(mismatch_run)
     top = result.findings[0]
     assert top.kind == Kind.COLLECTIVE_MISMATCH, top.verdict

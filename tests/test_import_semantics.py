@@ -8,8 +8,11 @@
 * The hang analysis names the oldest of many queued calls as the one a rank waits in.
 * Flight Recorder dumps whose rings dropped older entries: only the common window is judged.
 
-The demo runs (gloo, real processes) are made once per module; ``fault.json`` (ground truth) is read by
-these tests only. The logs are written from each run's rings by the tests' writer of the patch's format.
+The demo runs (gloo, real processes, every rank's Flight Recorder dump beside its ring) are checked in
+(tests/data/scenarios/, tests/helpers/scenarios.py regenerates them), so these tests need no torch; the live
+capture of both formats is run by tests/test_import_flight_recorder_live.py and the demo's own tests.
+``fault.json`` (ground truth) is read by these tests only. The logs are written from each run's rings by the
+tests' writer of the patch's format.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import pytest
 from helpers.analysis_factory import TraceBuilder
 from helpers.nccl_logs import write_nccl_logs  # the tests' writer of the NCCL patch's line format
+from helpers.scenarios import unpack
 
 from megatrace.analyze.engine import analyze
 from megatrace.analyze.findings import Finding, Kind, Severity, Subject, order_findings
@@ -34,7 +38,6 @@ from megatrace.trace.ring_format import Flag, Op, State
 
 HANG_KINDS = (Kind.COMPUTE_HANG, Kind.COMM_HANG, Kind.CRASHED_PROCESS, Kind.EXITED_EARLY, Kind.DEADLOCK,
               Kind.NO_TRACE, Kind.COLLECTIVE_MISMATCH, Kind.PARTIAL_STOP)
-FR_ENV = {"TORCH_FR_BUFFER_SIZE": "2000"}
 
 
 # -- fast: hand-built traces and plain findings -----------------------------------------------------------------
@@ -88,33 +91,21 @@ def test_equal_hang_roots_are_ordered_by_who_stopped_first() -> None:
     assert order_findings([first, wider])[0] is wider
 
 
-# -- real demo runs ---------------------------------------------------------------------------------------------
+# -- real demo runs (checked in) --------------------------------------------------------------------------------
 
-HANGS = {"tp2pp4-rank5": (2, 4, 1, "hang:rank=5,step=2"), "tp2pp4-rank2": (2, 4, 1, "hang:rank=2,step=2"),
-         "tp2pp2dp2-rank6": (2, 2, 2, "hang:rank=6,step=2")}
-
-
-def _demo(out: Path, tp: int, pp: int, dp: int, steps: int, faults: tuple[str, ...]) -> Path:
-    pytest.importorskip("torch")  # real multi-process torch runs
-    from megatrace.demo.launcher import DemoOptions, run_local
-
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {**FR_ENV, "MEGATRACE_DEMO_FR_DUMP": str(out / "fr")}.items():
-            mp.setenv(k, v)
-        run_local(DemoOptions(tp=tp, pp=pp, dp=dp, steps=steps, faults=faults, out=out, stall_s=8.0),
-                  log=lambda msg: None)
-    return out
+HANGS = {"tp2pp4-rank5": "hang-rank5-fr-tp2pp4", "tp2pp4-rank2": "hang-rank2-fr-tp2pp4",
+         "tp2pp2dp2-rank6": "hang-rank6-fr-tp2pp2dp2"}  # each a scenario: a middle-stage rank hangs at step 2 of 4
 
 
 @pytest.fixture(scope="module")
 def hang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int]]:
     """Each layout once, a middle-stage rank hanging at step 2 (rings and Flight Recorder dumps)."""
     runs = {}
-    for name, (tp, pp, dp, fault) in HANGS.items():
-        out = _demo(tmp_path_factory.mktemp("semantics") / name, tp, pp, dp, 4, (fault,))
+    for name, scenario in HANGS.items():
+        out = unpack(scenario, tmp_path_factory.mktemp("semantics") / name)
         (truth,) = json.loads((out / "fault.json").read_text())["faults"]
         steps = (out / "metrics" / f"rank-{truth['rank']:05d}.jsonl").read_text().count("\n")
-        assert steps == 2, f"{name}: the demo stopped at step {steps}, not at the injected hang (machine overloaded?)"
+        assert steps == 2, f"{scenario}: the demo stopped at step {steps}, not at the injected hang (regenerate it)"
         runs[name] = (out, truth["rank"])
     return runs
 
@@ -122,7 +113,7 @@ def hang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 @pytest.fixture(scope="module")
 def slow_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     """TP2 x PP2, rank 2 computes twice as slowly; a healthy run otherwise (rings and Flight Recorder dumps)."""
-    out = _demo(tmp_path_factory.mktemp("semantics") / "slow", 2, 2, 1, 6, ("slow:rank=2,factor=2",))
+    out = unpack("slow-rank2-fr-tp2pp2", tmp_path_factory.mktemp("semantics") / "slow")
     (truth,) = json.loads((out / "fault.json").read_text())["faults"]
     return out, truth["rank"]
 
@@ -144,7 +135,6 @@ def _hangs(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.kind in HANG_KINDS and f.severity.at_least(Severity.WARNING)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("group_hash", [True, False], ids=["groupHash", "no-groupHash"])
 @pytest.mark.parametrize("victim,lost", [(3, 2), (0, 1)], ids=["rank3-2dumps", "rank0-1dump"])
 def test_a_log_that_lost_its_last_dumps_is_no_hang(slow_run: tuple[Path, int], tmp_path: Path, group_hash: bool,
@@ -162,7 +152,6 @@ def test_a_log_that_lost_its_last_dumps_is_no_hang(slow_run: tuple[Path, int], t
     assert any(f.kind == Kind.TRACE_PROBLEM and "end before the job did" in f.verdict for f in result.findings)
 
 
-@pytest.mark.slow
 def test_a_log_that_lost_a_dump_in_the_middle_is_no_hang(slow_run: tuple[Path, int], tmp_path: Path) -> None:
     run, slow = slow_run
     written = write_nccl_logs(load_trace(run), tmp_path / "logs", group_hash=False, ring=25)  # dumps do not overlap
@@ -178,7 +167,6 @@ def test_a_log_that_lost_a_dump_in_the_middle_is_no_hang(slow_run: tuple[Path, i
     assert {f.subject.rank for f in result.findings if f.kind == Kind.STRAGGLER} <= {slow}
 
 
-@pytest.mark.slow
 def test_a_real_hang_is_still_named_when_logs_end_at_different_times(hang_runs: dict, tmp_path: Path) -> None:
     run, culprit = hang_runs["tp2pp4-rank5"]
     complete = _logs(run, tmp_path / "complete", True)
@@ -190,7 +178,6 @@ def test_a_real_hang_is_still_named_when_logs_end_at_different_times(hang_runs: 
     assert top.subject.rank == culprit, top.verdict
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("source", ["flight-recorder", "log-groupHash", "log-no-groupHash"])
 @pytest.mark.parametrize("name", list(HANGS))
 def test_the_hung_middle_stage_rank_comes_first(hang_runs: dict, tmp_path: Path, name: str, source: str) -> None:
@@ -206,7 +193,6 @@ def test_the_hung_middle_stage_rank_comes_first(hang_runs: dict, tmp_path: Path,
         assert len(top.data["waiters"]) == 7, top.verdict
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("group_hash", [True, False], ids=["groupHash", "no-groupHash"])
 def test_pipeline_peers_are_inferred_on_a_four_stage_communicator(hang_runs: dict, tmp_path: Path,
                                                                   group_hash: bool) -> None:
@@ -241,7 +227,6 @@ def _trim(run: Path, out: Path, rank: int, share: float) -> Path:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("rank,share", [(3, 0.5), (2, 0.5), (3, 0.7), (2, 0.7)])
 def test_flight_recorder_windows_that_start_apart_name_no_wrong_rank(slow_run: tuple[Path, int], tmp_path: Path,
                                                                      rank: int, share: float) -> None:
