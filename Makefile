@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/simulate_speed.py
 	$(BIN)/python bench/accuracy.py
 	$(BIN)/python bench/import_accuracy.py
+	$(BIN)/python bench/collection_scale.py
 	$(BIN)/python bench/collection_lab.py
 
 clean:
