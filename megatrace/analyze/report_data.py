@@ -120,11 +120,11 @@ def _wait_for(hang: Any) -> dict[str, Any] | None:
     for root in hang.roots:
         nodes = root.node if root.kind == "cycle" and isinstance(root.node, tuple) else (root.node,)
         root_nodes += [n for n in nodes if n in g]
-    labels: dict[Hashable, str] = {}
+    waited_in: dict[Hashable, Any] = {}  # an instance or link -> the first wait in it (labelled if it is shown)
     for waits in hang.waits.values():
         for w in waits:
             if w.target is not None and not isinstance(w.target, (int, np.integer)):
-                labels.setdefault(w.target, w.label)
+                waited_in.setdefault(w.target, w)
     seen: list[Hashable] = []
     queue = deque(root_nodes)
     visited = set(root_nodes)
@@ -144,7 +144,7 @@ def _wait_for(hang: Any) -> dict[str, Any] | None:
         elif isinstance(n, tuple) and n[0] == "link":
             kind, label = "link", f"link {n[1]} → {n[2]}"
         else:
-            kind, label = "instance", labels.get(n, str(n))
+            kind, label = "instance", waited_in[n].label if n in waited_in else str(n)
         nodes.append({"id": _node_id(n), "kind": kind, "label": label, "root": n in roots})
     edges = []
     for a, b, attrs in g.edges(data=True):
