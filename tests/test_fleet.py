@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -261,9 +262,7 @@ def test_eight_alerts_to_a_silent_receiver_share_one_deadline(tmp_path: Path) ->
 
 # -- a broken history never stops the health check (issue 20, item 17) ----------------------------------------
 
-def _health(tmp_path: Path, history: Path) -> "subprocess.CompletedProcess[str]":
-    import subprocess
-
+def _health(tmp_path: Path, history: Path) -> subprocess.CompletedProcess[str]:
     limits = tmp_path / "limits.yaml"
     limits.write_text("node: {min_free_shm_mib: 0, min_free_job_mib: 0}\n")  # a container's small /dev/shm
     exe = Path(sys.executable).parent / "megatrace"
