@@ -11,6 +11,7 @@ child; ``RING_TEST_SCALE=N`` turns the whole file into an N-times longer stress 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import tempfile
@@ -27,6 +28,7 @@ from helpers.ring_stream import (COMPLETE_LAG, FAST, FIELDS, FORK, IDENT, KIND_P
                                  slot_offset, write_gen, writer_child)
 
 from megatrace.trace import ring_format as fmt
+from megatrace.trace.ring_header import HEADER_USED, read_header_bytes
 from megatrace.trace.ring_reader import RECORD_DTYPE, RingFormatError, read_meta, read_ring
 from megatrace.trace.ring_writer import RingIdentity, RingWriter
 
@@ -294,26 +296,33 @@ def _beating_writer_child(directory: str, kind: str, ready) -> None:
 def test_the_counter_and_heartbeat_are_never_seen_half_written(tmp_path, kind):
     """Another process reading the header beside a live writer sees the write counter only move forward and
     the heartbeat never 0 once it beat. (struct.pack_into zero-fills before it writes: a reader saw a
-    counter of 0 about ten times a second, and a live snapshot then shrank to its first record.)"""
+    counter of 0 about ten times a second, and a live snapshot then shrank to its first record.)
+
+    The words are read with aligned 8-byte loads (a read-only mapping): what the writer stores. A ``pread``
+    can itself copy a word half old, half new (the kernel's copy is not word-atomic: CI saw a heartbeat read
+    49 ns back once); readers read the live words until two reads agree (``read_header_bytes``, below)."""
     ready = FORK.Event()
     child = FORK.Process(target=_beating_writer_child, args=(str(tmp_path), kind, ready), daemon=True)
     child.start()
     try:
         assert ready.wait(10), "writer child did not start"
         fd = os.open(tmp_path / fmt.ring_name(IDENT.rank), os.O_RDONLY)
+        header = mmap.mmap(fd, fmt.HEADER_SIZE, prot=mmap.PROT_READ)
+        words = memoryview(header).cast("Q")
         try:
             last_counter = last_beat = reads = 0
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline:
                 for _ in range(1000):
-                    blob = os.pread(fd, 24, fmt.WRITE_COUNTER_OFFSET)
-                    counter = fmt.WRITE_COUNTER.unpack_from(blob, 0)[0]
-                    beat = fmt.HEARTBEAT.unpack_from(blob, fmt.HEARTBEAT_OFFSET - fmt.WRITE_COUNTER_OFFSET)[0]
+                    counter = words[fmt.WRITE_COUNTER_OFFSET // 8]
+                    beat = words[fmt.HEARTBEAT_OFFSET // 8]
                     assert counter >= last_counter, (last_counter, counter)
                     assert beat >= last_beat, (last_beat, beat)
                     last_counter, last_beat = counter, beat
                 reads += 1000
         finally:
+            words.release()
+            header.close()
             os.close(fd)
         assert child.is_alive() and last_counter > 1000 and last_beat > 0, (reads, last_counter, last_beat)
     finally:
@@ -643,3 +652,29 @@ def test_another_users_base_planted_under_our_name_turns_tracing_off_with_a_warn
     with pytest.raises(OSError, match="owned by uid 4242"):
         RingWriter(d, RingIdentity(rank=0, world_size=1))
     assert list(planted.iterdir()) in ([], [d])
+
+
+@pytest.mark.parametrize("length", [HEADER_USED, fmt.HEADER_SIZE, fmt.WRITE_COUNTER_OFFSET + 10])
+def test_a_header_read_with_its_live_words_read_again_is_the_file_s_bytes(tmp_path: Path, length: int) -> None:
+    """``read_header_bytes`` splices the live words (read again until two reads agree) back in their place: on a
+    file no one writes, it returns exactly what one ``pread`` does; a file shorter than the live words as it is."""
+    w = RingWriter(tmp_path, IDENT, capacity=64)
+    for seq in range(1, 40):
+        w.begin(*gen(seq)[:7])
+    w.beat()
+    path = tmp_path / fmt.ring_name(IDENT.rank)
+    whole = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert read_header_bytes(fd, length) == whole[:length]
+    finally:
+        os.close(fd)
+    w.close()
+    short = tmp_path / "short.ring"
+    short.write_bytes(whole[:fmt.WRITE_COUNTER_OFFSET + 10])
+    fd = os.open(short, os.O_RDONLY)
+    try:
+        assert read_header_bytes(fd, length) == whole[:min(length, fmt.WRITE_COUNTER_OFFSET + 10)]
+    finally:
+        os.close(fd)
+

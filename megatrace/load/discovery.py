@@ -15,6 +15,7 @@ from pathlib import Path
 from megatrace.files import open_input, trusted_owner
 from megatrace.load.traceset import LoadProblem, name_list
 from megatrace.trace import ring_format as fmt
+from megatrace.trace.ring_header import read_header_bytes
 from megatrace.trace.ring_reader import RingHeader, parse_header
 
 RING_RE = re.compile(r"^rank-(\d+)\.ring$")
@@ -49,7 +50,7 @@ def read_header(path: Path) -> RingHeader:
     """The header of one ring file (opened as an input: never another user's link)."""
     fd = open_input(path)
     try:
-        return parse_header(str(path), os.pread(fd, fmt.HEADER_SIZE, 0))[0]
+        return parse_header(str(path), read_header_bytes(fd, fmt.HEADER_SIZE))[0]
     finally:
         os.close(fd)
 

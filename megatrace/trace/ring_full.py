@@ -8,7 +8,7 @@ import numpy as np
 
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_header import (ReadProblem, RingHeader, RingSnapshot, geometry_error, parse_header,
-                                         torn_problems, unreadable_problems)
+                                         read_header_bytes, torn_problems, unreadable_problems)
 from megatrace.trace.ring_io import pread_all
 from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, validate
 
@@ -16,7 +16,7 @@ from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, validate
 def copy_full(fd: int, path: str) -> tuple[RingHeader, list[ReadProblem], SlotCopy]:
     """The header, its problems and a copy of every slot, with the slots to read again."""
     size = os.fstat(fd).st_size
-    header, problems = parse_header(path, os.pread(fd, fmt.HEADER_SIZE, 0), size)
+    header, problems = parse_header(path, read_header_bytes(fd, fmt.HEADER_SIZE), size)
     cap = header.capacity
     expected = fmt.file_size(cap)
     if problems and size != expected:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -79,6 +80,28 @@ class RingSnapshot:
     def to_dicts(self) -> list[dict[str, int]]:
         names = [n for n in RECORD_DTYPE.names if not n.startswith("_") and not n.endswith("check")]
         return [{n: int(r[n]) for n in names} for r in self.records]
+
+
+_LIVE = slice(fmt.WRITE_COUNTER_OFFSET, HEADER_USED)  # the header words a live writer rewrites
+_LIVE_TRIES = 4
+
+
+def read_header_bytes(fd: int, length: int = HEADER_USED) -> bytes:
+    """The first ``length`` bytes of a ring file by ``pread``, its live words (counter, state, heartbeat, pulse,
+    signal) read again until two reads agree: a ``pread`` beside a live writer can copy a word half old, half new
+    (the kernel's copy is not word-atomic; about one read in a million, seen in CI). A writer rewrites these
+    words at most every few microseconds (a call) and usually every 10 ms or more: two agreeing reads hold
+    whole words. Against a writer faster than that, the last read is kept after :data:`_LIVE_TRIES`."""
+    blob = os.pread(fd, length, 0)
+    if len(blob) < _LIVE.stop:
+        return blob  # (a short file: parse_header says so)
+    live = blob[_LIVE]
+    for _ in range(_LIVE_TRIES):
+        again = os.pread(fd, len(live), _LIVE.start)
+        if again == live:
+            break
+        live = again
+    return blob[:_LIVE.start] + live + blob[_LIVE.stop:]
 
 
 def _decode(raw: bytes) -> str:

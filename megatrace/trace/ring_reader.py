@@ -26,8 +26,8 @@ import numpy as np
 from megatrace.files import open_input
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_full import copy_full, full_snapshot
-from megatrace.trace.ring_header import (HEADER_USED, ReadProblem, RingFormatError, RingHeader, RingSnapshot,
-                                         geometry_error, parse_header)
+from megatrace.trace.ring_header import (ReadProblem, RingFormatError, RingHeader, RingSnapshot, geometry_error,
+                                         parse_header, read_header_bytes)
 from megatrace.trace.ring_io import COUNTER_LIMIT, open_budget
 from megatrace.trace.ring_meta import META_LIMIT, read_meta
 from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, head_checks, tail_checks, validate
@@ -95,7 +95,7 @@ def _read_tail(path: str, last: int, retries: int, retry_sleep: float) -> RingSn
         size = os.fstat(fd).st_size
         snap = None
         for _ in range(retries + 1):  # a header that was stale by more than the window: read it again
-            header, problems = parse_header(path, os.pread(fd, HEADER_USED, 0), size)
+            header, problems = parse_header(path, read_header_bytes(fd), size)
             cap = header.capacity
             if problems and size != fmt.file_size(cap):
                 raise geometry_error(path, cap, size, fmt.file_size(cap))

@@ -10,7 +10,8 @@ import numpy as np
 from megatrace.files import open_input
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_header import (HEADER_USED, ReadProblem, RingFormatError, RingHeader, RingSnapshot,
-                                         parse_header, torn_problems, truncation, unreadable_problems)
+                                         parse_header, read_header_bytes, torn_problems, truncation,
+                                         unreadable_problems)
 from megatrace.trace.ring_io import COUNTER_LIMIT, open_budget, pread_rows, slot_runs, will_need
 from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, older_or_empty, validate, whole_records
 
@@ -140,7 +141,7 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
         for i, fd in fds.items():
             try:
                 sizes[i] = os.fstat(fd).st_size
-                header, problems = parse_header(str(paths[i]), os.pread(fd, HEADER_USED, 0), sizes[i])
+                header, problems = parse_header(str(paths[i]), read_header_bytes(fd), sizes[i])
             except (RingFormatError, OSError) as exc:
                 out[i] = exc
                 continue
