@@ -83,12 +83,21 @@ class Job:
         return pids
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the launcher and every rank at once (a time limit, a cancel)."""
-        for pid in [self.proc.pid, *self.worker_pids()]:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        """Signal the launcher and every rank at once (a time limit, a cancel).
+
+        SIGKILL goes to processes stopped first. One ``kill`` after another is no single moment: on a loaded host
+        this process can be held off the CPU for tens of milliseconds between two of them, while the ranks already
+        killed close their sockets and the others' collectives fail and unwind, which is a crash's signature (CI
+        saw ranks 1 and 3 close their tracers 20 ms after ranks 0 and 2 vanished). A stopped process cannot run
+        until its SIGKILL ends it, so every rank goes as if at one moment, as a slurmstepd's kill loop in C makes it.
+        """
+        pids = [self.proc.pid, *self.worker_pids()]
+        for step in ([signal.SIGSTOP] if sig == signal.SIGKILL else []) + [sig]:
+            for pid in pids:
+                try:
+                    os.kill(pid, step)
+                except ProcessLookupError:
+                    pass
 
     def wait(self, timeout: float = 180) -> int:
         try:
