@@ -55,3 +55,13 @@ def test_simulate_speed_prints_the_ratio_to_the_plain_writer() -> None:
 def test_collection_on_the_lab_gathers_every_node(lab) -> None:
     out = bench("collection_lab.py", "--repeat", "1", timeout=400)
     assert "srun --overlap collector" in out and "baseline: copy the node-local rings" in out, out
+
+
+def test_collection_scale_measures_both_transfers_and_states_its_model() -> None:
+    out = bench("collection_scale.py", "--nodes", "2", "3", "--ranks-per-node", "2", "--records", "1024",
+                "--group-size", "2")
+    rows = [line.split() for line in out.splitlines() if line.split()[1:2] in (["auto"], ["stream"])]
+    assert [(r[0], r[1]) for r in rows] == [("2", "auto"), ("2", "stream"), ("3", "auto"), ("3", "stream")], out
+    by_nodes = {(r[0], r[1]): int(r[12]) for r in rows}  # files the nodes wrote themselves
+    assert by_nodes[("3", "auto")] == 12 and by_nodes[("3", "stream")] == 0, out
+    assert out.count("largest MPI message") == 2 and "--transfer auto" in out and "--transfer stream" in out

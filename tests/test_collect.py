@@ -218,7 +218,10 @@ def test_local_runs_on_each_node_fill_one_bundle_and_the_last_one_finishes_it(de
 
 @pytest.mark.slow
 @needs_mpi
-def test_eight_nodes_in_uneven_leader_groups_all_arrive(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transfer", ["auto", "stream"])
+def test_eight_nodes_in_uneven_leader_groups_all_arrive(transfer: str, tmp_path: Path) -> None:
+    """auto: every emulated node sees the job directory (one host), so each writes its own rings into the bundle
+    and only facts and file lists go through MPI; stream: every byte through the root."""
     from megatrace.trace.ring_writer import RingIdentity, RingWriter
 
     nodes = [f"m{r}" for r in range(8)]
@@ -236,14 +239,28 @@ def test_eight_nodes_in_uneven_leader_groups_all_arrive(tmp_path: Path) -> None:
         cmd += ([":"] if i else []) + ["-n", "1", "-env", "MEGATRACE_NODE_NAME", node, str(BIN / "megatrace"),
                                        "collect", "--ring-dir", f"{tmp_path}/%n", "--job-dir", str(job), "--job-id",
                                        "s", "--no-system", "--no-stacks", "--group-size", "3", "--timeout", "30",
-                                       "--analysis", "none"]
+                                       "--analysis", "none", "--transfer", transfer]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((job / "megatrace-s" / "collection.json").read_text())
     assert doc["nodes"]["collected"] == nodes and doc["ranks"]["collected"] == 8
     for r, node in enumerate(nodes):
-        name = f"rank-{r:05d}.ring"
-        assert (job / "megatrace-s" / "rings" / name).read_bytes() == (tmp_path / node / name).read_bytes()
+        for name in (f"rank-{r:05d}.ring", f"rank-{r:05d}.meta.jsonl"):
+            data = (tmp_path / node / name).read_bytes()
+            assert (job / "megatrace-s" / "rings" / name).read_bytes() == data
+            listed = [f for f in doc["files"] if f["name"] == f"rings/{name}"]
+            assert listed == [{"name": f"rings/{name}", "node": node, "bytes": len(data),
+                               "sha256": hashlib.sha256(data).hexdigest()}]
+    ring_bytes = sum(f["bytes"] for f in doc["files"])
+    moved = doc["transfer"]
+    if transfer == "auto":
+        assert moved["files_written_by_nodes"] == 16 and moved["bytes_written_by_nodes"] == ring_bytes, moved
+        assert moved["bytes_through_root"] < ring_bytes, moved  # facts and file lists only
+    else:
+        assert moved["files_written_by_nodes"] == 0 and moved["files_written_by_root"] == 16, moved
+        assert moved["bytes_through_root"] > 0, moved
+    facts = json.loads((job / "megatrace-s" / "nodes" / "m5.json").read_text())
+    assert facts["transfer"]["placed"] == (2 if transfer == "auto" else 0), facts["transfer"]
 
 
 def test_a_local_collection_of_rings_claiming_two_billion_ranks_still_writes_collection_json(tmp_path: Path) -> None:

@@ -1,37 +1,167 @@
-"""Node payloads and leader frames: what travels through the MPI gather (no pickle)."""
+"""What travels through the MPI gather (a header, then bounded chunks; no pickle), how the root writes a
+node's stream into the bundle, and how a node writes its own files into a bundle it shares with the root."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import zlib
 from pathlib import Path
 
 import pytest
 
-from megatrace.collect.node import snapshot_node
-from megatrace.collect.payload import PayloadError, pack_leader, pack_node, unpack_leader, unpack_node
+from megatrace.collect import payload
+from megatrace.collect.bundle import GATHER_MARK, BundleWriter, place_files
+from megatrace.collect.node import NodeSnapshot, snapshot_node
+from megatrace.collect.payload import (PayloadError, header_of, messages, pack_chunk, pack_header, unpack_chunk,
+                                       unpack_header)
+from megatrace.collect.run import _BundleReceiver
 
 
-def test_node_payloads_and_leader_frames_round_trip(tmp_path: Path) -> None:
-    (tmp_path / "rank-00000.ring").write_bytes(b"\x00" * 5000 + b"x")
-    (tmp_path / "rank-00000.meta.jsonl").write_bytes(b'{"kind":"process"}\n')
-    (tmp_path / "notes.txt").write_text("not a trace file")
-    snap = snapshot_node(str(tmp_path), "nodeA", stacks=False, system=False)
+def _snap(tmp_path: Path, node: str = "nodeA", ring_bytes: int = 5_000_001) -> NodeSnapshot:
+    src = tmp_path / node
+    src.mkdir()
+    (src / "rank-00000.ring").write_bytes(os.urandom(ring_bytes))
+    (src / "rank-00000.meta.jsonl").write_bytes(b'{"kind":"process"}\n')
+    (src / "notes.txt").write_text("not a trace file")
+    return snapshot_node(str(src), node, stacks=False, system=False)
+
+
+def _stream(snap: NodeSnapshot, writer: BundleWriter, rank: int, upto: int | None = None,
+            placed: dict[str, str] | None = None) -> list[bytes]:
+    msgs = list(messages(snap, header_of(snap, placed)))
+    receiver = _BundleReceiver(writer)
+    for m in msgs[:upto]:
+        receiver.message(rank, m)
+    if upto is None:
+        receiver.end(rank)
+    else:
+        receiver.missing(rank, "its stream stopped part-way within the deadline")
+    return msgs
+
+
+def test_a_node_stream_is_a_header_then_bounded_chunks_and_arrives_byte_for_byte(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    monkeypatch.setattr(payload, "CHUNK_BYTES", 1 << 20)  # a 5 MB ring in six chunks
+    snap = _snap(tmp_path)
     assert set(snap.files) == {"rank-00000.ring", "rank-00000.meta.jsonl"}
-    assert "error" in snap.facts["rings"][0]  # not a ring: described, not raised
-    back = unpack_node(pack_node(snap))
-    assert back.files == snap.files and back.node == "nodeA"
-    frame = pack_leader([({"mpi_rank": 0, "status": "ok"}, b"abc"), ({"mpi_rank": 1, "status": "missing"}, None)])
-    assert unpack_leader(frame) == [({"mpi_rank": 0, "status": "ok", "size": 3}, b"abc"),
-                                    ({"mpi_rank": 1, "status": "missing", "size": -1}, None)]
+    head = unpack_header(pack_header(header_of(snap)))
+    assert [f.name for f in head.files] == ["rank-00000.meta.jsonl", "rank-00000.ring"]
+    assert head.files[1].sha256 == hashlib.sha256(snap.files["rank-00000.ring"]).hexdigest()
+    writer = BundleWriter(tmp_path / "bundle", "j")
+    msgs = _stream(snap, writer, 3)
+    assert len(msgs) == 1 + 1 + 5
+    assert max(len(m) for m in msgs[1:]) <= (1 << 20) + 1024  # random bytes do not compress
+    doc = writer.finish(analysis="none")
+    for name, data in snap.files.items():
+        assert (tmp_path / "bundle" / "rings" / name).read_bytes() == data
+    assert sorted(f["name"] for f in doc["files"]) == ["rings/rank-00000.meta.jsonl", "rings/rank-00000.ring"]
+    assert doc["nodes"]["collected"] == ["nodeA"], doc
+    assert [p for p in doc["problems"] if "not a MegaTrace ring" not in p] == []  # (random bytes: described)
 
 
-def test_a_payload_naming_a_file_outside_the_trace_names_is_refused() -> None:
-    import json
-    import struct
-    import zlib
+def test_a_stream_cut_part_way_leaves_no_partial_ring_and_names_the_node(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(payload, "CHUNK_BYTES", 1 << 20)
+    snap = _snap(tmp_path)
+    writer = BundleWriter(tmp_path / "bundle", "j")
+    _stream(snap, writer, 3, upto=4)  # the header, the meta file, two of five chunks of the ring
+    doc = writer.finish(analysis="none")
+    assert (tmp_path / "bundle" / "rings" / "rank-00000.meta.jsonl").exists()
+    assert not (tmp_path / "bundle" / "rings" / "rank-00000.ring").exists()
+    assert [f["name"] for f in doc["files"]] == ["rings/rank-00000.meta.jsonl"]
+    assert doc["nodes"]["missing"] == [{"node": "nodeA", "reason": "its stream was cut: its stream stopped part-way "
+                                                                   "within the deadline"}]
+    assert any("rings/rank-00000.ring" in p and "did not arrive whole" in p for p in doc["problems"]), doc
 
-    head = json.dumps({"node": "x", "files": [["../../etc/passwd", 1]]}).encode()
-    blob = zlib.compress(b"MTNODE1\n" + struct.pack("<Q", len(head)) + head + b"x")
+
+def test_chunks_out_of_order_or_altered_are_refused(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(payload, "CHUNK_BYTES", 1 << 20)
+    snap = _snap(tmp_path)
+    msgs = list(messages(snap, header_of(snap)))
+    writer = BundleWriter(tmp_path / "bundle", "j")
+    receiver = _BundleReceiver(writer)
+    for m in [msgs[0], msgs[1], msgs[3], msgs[2]]:  # the ring's second chunk before its first
+        receiver.message(5, m)
+    receiver.end(5)
+    index, offset, data = unpack_chunk(msgs[2])
+    altered = pack_chunk(index, offset, bytes([data[0] ^ 1]) + data[1:])
+    other = NodeSnapshot("nodeB", dict(snap.files), snap.facts)
+    msgs_b = list(messages(other, header_of(other)))
+    writer2 = BundleWriter(tmp_path / "bundle2", "j")
+    receiver2 = _BundleReceiver(writer2)
+    for m in msgs_b[:2] + [altered] + msgs_b[3:]:
+        receiver2.message(6, m)
+    receiver2.end(6)
+    for w, what in ((writer, "bytes at 1048576 where 0 were expected"),
+                    (writer2, "did not match the size and sha256")):
+        doc = w.finish(analysis="none")
+        assert not (w.path / "rings" / "rank-00000.ring").exists()
+        assert any(what in p for p in doc["problems"]), doc["problems"]
+
+
+def test_a_header_naming_a_file_outside_the_trace_names_or_the_bundle_is_refused() -> None:
+    def head(files: list) -> bytes:
+        return payload.HEAD_MAGIC + zlib.compress(json.dumps({"node": "x", "files": files}).encode())
+
+    sha = "0" * 64
     with pytest.raises(PayloadError, match="unexpected file"):
-        unpack_node(blob)
+        unpack_header(head([{"name": "../../etc/passwd", "size": 1, "sha256": sha}]))
+    with pytest.raises(PayloadError, match="unexpected path"):
+        unpack_header(head([{"name": "rank-00000.ring", "size": 1, "sha256": sha, "placed": "../../x"}]))
+    with pytest.raises(PayloadError, match="size or sha256"):
+        unpack_header(head([{"name": "rank-00000.ring", "size": -1, "sha256": sha}]))
     with pytest.raises(PayloadError):
-        unpack_node(b"not zlib")
+        unpack_header(b"not a header")
+    with pytest.raises(PayloadError, match="inflates past"):  # a chunk that would inflate without bound
+        unpack_chunk(payload.CHUNK_MAGIC + b"\0" * 12 + zlib.compress(b"\0" * (payload.CHUNK_BYTES + 1)))
+
+
+def _shared_bundle(tmp_path: Path, nonce: str = "n0nce") -> BundleWriter:
+    writer = BundleWriter(tmp_path / "bundle", "j")
+    writer.out.write(GATHER_MARK, nonce.encode() + b"\n", replace=True)
+    return writer
+
+
+def test_a_node_that_sees_the_roots_bundle_writes_its_own_files_and_streams_only_its_header(tmp_path: Path) -> None:
+    snap = _snap(tmp_path)
+    writer = _shared_bundle(tmp_path)
+    placed, why = place_files(snap, str(writer.path), "n0nce", None)
+    assert why is None and placed == {n: f"rings/{n}" for n in snap.files}
+    msgs = _stream(snap, writer, 2, placed=placed)
+    assert len(msgs) == 1  # the header alone
+    doc = writer.finish(analysis="none")
+    assert doc["transfer"]["files_written_by_nodes"] == 2 and doc["transfer"]["files_written_by_root"] == 0
+    for name, data in snap.files.items():
+        assert (writer.path / "rings" / name).read_bytes() == data
+
+
+def test_a_node_never_writes_into_a_directory_that_is_not_the_roots(tmp_path: Path) -> None:
+    snap = _snap(tmp_path)
+    writer = _shared_bundle(tmp_path)
+    assert place_files(snap, str(writer.path), "another", None) == (
+        {}, "the bundle directory seen from this node is not the root's (another filesystem)")
+    placed, why = place_files(snap, str(tmp_path / "absent"), "n0nce", None)
+    assert placed == {} and why.startswith("the bundle directory is not visible from this node")
+    assert not (tmp_path / "absent").exists()
+    # rings/ replaced by a link to somewhere else: refused, nothing written through it
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rmdir(writer.path / "rings")
+    os.symlink(elsewhere, writer.path / "rings")
+    placed, why = place_files(snap, str(writer.path), "n0nce", None)
+    assert placed == {} and why.startswith("rings/ of the bundle not writable") and not list(elsewhere.iterdir())
+
+
+def test_a_file_planted_under_a_rings_name_is_not_taken_for_the_nodes(tmp_path: Path) -> None:
+    snap = _snap(tmp_path)
+    writer = _shared_bundle(tmp_path)
+    (writer.path / "rings" / "rank-00000.ring").write_bytes(b"planted")
+    placed, why = place_files(snap, str(writer.path), "n0nce", None)
+    assert why is None and placed == {"rank-00000.meta.jsonl": "rings/rank-00000.meta.jsonl"}
+    assert (writer.path / "rings" / "rank-00000.ring").read_bytes() == b"planted"  # untouched; the bytes stream
+    _stream(snap, writer, 2, placed=placed)
+    doc = writer.finish(analysis="none")
+    clash = writer.path / "nodes" / "nodeA" / "rank-00000.ring"
+    assert clash.read_bytes() == snap.files["rank-00000.ring"]
+    assert any("more than one node with different content" in p for p in doc["problems"]), doc["problems"]

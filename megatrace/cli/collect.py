@@ -71,6 +71,10 @@ collection.json, rings/, nodes/<node>.json, procs.json, findings.json, summary.t
               help="Seconds for the whole gather; a node silent by then is named missing.")
 @click.option("--group-size", type=click.IntRange(2), default=32, show_default=True,
               help="Nodes per leader in the two-level gather.")
+@click.option("--transfer", type=click.Choice(["auto", "stream"]), default="auto", show_default=True,
+              help="auto: a node that sees the bundle directory (a job directory on a filesystem every node "
+                   "mounts) writes its own rings into it, in parallel, and sends the root only its facts and file "
+                   "list; stream: every byte through MPI to the root (in 16 MiB messages).")
 @click.option("--on-hang", type=click.Choice(["report", "cancel", "requeue"]), default="report",
               show_default=True, help="With --trigger hang, after the report: keep the job, scancel it, "
               "or scontrol requeue it.")
@@ -79,13 +83,16 @@ collection.json, rings/, nodes/<node>.json, procs.json, findings.json, summary.t
                    "(read on the root only).")
 def collect(job_dir: str, job_id: str | None, ring_dir: str | None, node: str | None, out: str | None,
             trigger: str, detail: str, local: bool, nodes: str | None, analysis: str, report: bool, stacks: bool,
-            system: bool, timeout: float, group_size: int, on_hang: str, layout_file: str | None) -> None:
+            system: bool, timeout: float, group_size: int, transfer: str, on_hang: str,
+            layout_file: str | None) -> None:
     """Collect every node's rings and node facts into the job directory, then analyse them.
 
     Run one task per node (srun --overlap --ntasks-per-node=1, or mpiexec): MPI rank 0
     gathers every node's rings (byte for byte), process states, GPU and kernel-log facts
-    and Python stacks, writes the bundle and runs the analysis. A node that does not
-    answer within --timeout is named missing in collection.json; the rest is analysed.
+    and Python stacks, writes the bundle and runs the analysis. On a job directory every
+    node sees, each node writes its own rings into the bundle (--transfer auto). A node
+    that does not answer within --timeout is named missing in collection.json; the rest
+    is analysed.
     """
     from megatrace.collect.run import CollectError, CollectOptions, collect_local, collect_mpi, exit_now
     from megatrace.pipeline import analyze_bundle
@@ -94,7 +101,8 @@ def collect(job_dir: str, job_id: str | None, ring_dir: str | None, node: str | 
         raise CommandError(f"job directory {job_dir} does not exist")
     opts = CollectOptions(job_dir=job_dir, job_id=job_id, ring_dir=ring_dir, out=out, node=node, trigger=trigger,
                           detail=detail, analysis=analysis, report=report, stacks=stacks, system=system,
-                          timeout=timeout, group_size=group_size, expected_nodes=_expected(nodes), layout=layout_file,
+                          timeout=timeout, group_size=group_size, transfer=transfer, expected_nodes=_expected(nodes),
+                          layout=layout_file,
                           log=lambda msg: click.echo(msg, err=True), analyse=analyze_bundle)
     if local:
         doc = collect_local(opts)

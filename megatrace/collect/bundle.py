@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from megatrace.collect import safefs
 from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot, main_thread_frames
+from megatrace.collect.payload import NodeHeader, header_of
 from megatrace.names import job_dir_name, safe_name
 
 FORMAT_VERSION = 1
@@ -83,6 +84,26 @@ class NodeEntry:
 
 
 @dataclass
+class _Target:
+    """Where a streamed file of a node is written, and what arrived of it."""
+
+    dir: safefs.OutDir
+    name: str
+    where: str  # bundle-relative
+    digest: str  # the sha256 its node announced
+    written: int = 0
+    sha: Any = field(default_factory=hashlib.sha256)
+
+
+@dataclass
+class _Incoming:
+    head: NodeHeader
+    entry: NodeEntry
+    targets: dict[int, _Target]  # file index -> where its chunks go (absent: rings/ holds it already)
+    failed: str | None = None  # why the rest of its stream is dropped
+
+
+@dataclass
 class BundleWriter:
     """Write node snapshots into the bundle as they arrive (the root never holds them all), then finish."""
 
@@ -104,49 +125,132 @@ class BundleWriter:
         self.procs: dict[str, dict[str, Any]] = {}
         self.problems: list[str] = []
         self._sha: dict[str, str] = {}
+        self._incoming: dict[int, _Incoming] = {}  # nodes whose stream is being written, by key (MPI rank)
+        self._extra: list[safefs.OutDir] = []  # nodes/<node>/ directories opened for name clashes
+        self.placed = [0, 0]  # files and bytes the nodes wrote into rings/ themselves
+        self.transfer: dict[str, Any] = {}  # how the gather moved them (set by the collector)
 
     # -- arrival ------------------------------------------------------------
     def add_missing(self, info: dict[str, Any]) -> None:
         self.missing.append({"mpi_rank": info.get("mpi_rank"), "reason": info.get("reason", "did not report")})
 
     def add_node(self, snap: NodeSnapshot, mpi_rank: int | None = None) -> None:
-        """Write one node's files and facts; never raises for the node's content."""
-        if any(e.node == snap.node for e in self.entries):
-            self.problems.append(f"node {snap.node} reported twice (MPI rank {mpi_rank}); the second copy was "
-                                 "ignored (more than one collector task on that node?)")
+        """Write one node's files and facts from its snapshot; never raises for the node's content."""
+        head = header_of(snap)
+        key = -1 if mpi_rank is None else mpi_rank
+        if not self.begin_node(head, key, mpi_rank):
             return
-        entry = NodeEntry(snap.node, mpi_rank, len(snap.files), snap.error)
+        for index, entry in head.streamed:
+            self.add_chunk(key, index, 0, snap.files[entry.name])
+        self.end_node(key)
+
+    def begin_node(self, head: NodeHeader, key: int, mpi_rank: int | None = None) -> bool:
+        """A node's header: its facts, the files it wrote into the bundle itself, and where the bytes of
+        the others (its chunks, :meth:`add_chunk`, under ``key``) go. False for a node heard twice."""
+        if any(e.node == head.node for e in self.entries):
+            self.problems.append(f"node {head.node} reported twice (MPI rank {mpi_rank}); the second copy was "
+                                 "ignored (more than one collector task on that node?)")
+            return False
+        entry = NodeEntry(head.node, mpi_rank, len(head.files), head.error)
         self.entries.append(entry)
-        extra: safefs.OutDir | None = None
-        for name, data in sorted(snap.files.items()):
-            if not TRACE_FILE_RE.match(name):
-                continue
-            digest = hashlib.sha256(data).hexdigest()
-            where = f"rings/{name}"
-            try:
-                if name not in self._sha and self.rings.exists(name):  # written by another node's --local run
-                    self._sha[name] = hashlib.sha256(safefs.read_file(self.rings.fd, name, RING_LIMIT)).hexdigest()
-                if name in self._sha:
-                    if self._sha[name] == digest:
-                        continue  # the same file from two nodes (a shared trace directory): keep one copy
-                    extra = extra or self.nodes.subdir(safe_name(snap.node))
-                    extra.write(name, data)
-                    where = f"nodes/{safe_name(snap.node)}/{name}"
-                    self.problems.append(f"{name} exists on more than one node with different content; the copy "
-                                         f"of node {snap.node} is in {where}")
-                else:
-                    self.rings.write(name, data)
-                    self._sha[name] = digest
-            except OSError as exc:
-                self.problems.append(f"cannot write {where}: {exc.strerror or exc}")
-                continue
-            self.files.append({"name": where, "node": snap.node, "bytes": len(data), "sha256": digest})
-        self._add_facts(snap.node, dict(snap.facts))
+        targets: dict[int, _Target] = {}
+        for index, f in enumerate(head.files):
+            if f.placed is not None:  # written by the node itself (O_EXCL), its digest taken as it wrote
+                known = self._sha.get(f.name)
+                if known is None:
+                    self._sha[f.name] = f.sha256
+                    self.placed[0] += 1
+                    self.placed[1] += f.size
+                    self.files.append({"name": f.placed, "node": head.node, "bytes": f.size, "sha256": f.sha256})
+                elif known != f.sha256:
+                    self.problems.append(f"{f.placed}: node {head.node} wrote it, but another node's copy of "
+                                         "that name differs")
+                continue  # (the same bytes as a copy listed already: a trace directory two nodes share)
+            target = self._target(head.node, f.name, f.sha256)
+            if target is not None:
+                targets[index] = target
+        self._incoming[key] = _Incoming(head, entry, targets)
+        self._add_facts(head.node, dict(head.facts))
         try:
-            self.nodes.write(f"{safe_name(snap.node)}.json",
-                             json.dumps(snap.facts, indent=1, default=str).encode() + b"\n")
+            self.nodes.write(f"{safe_name(head.node)}.json",
+                             json.dumps(head.facts, indent=1, default=str).encode() + b"\n")
         except OSError as exc:
-            self.problems.append(f"cannot write facts of node {snap.node}: {exc.strerror or exc}")
+            self.problems.append(f"cannot write facts of node {head.node}: {exc.strerror or exc}")
+        return True
+
+    def _target(self, node: str, name: str, digest: str) -> "_Target | None":
+        """Where the file ``name`` of ``node`` goes: rings/, nodes/<node>/ when rings/ holds another file of that
+        name, or nowhere (None) when rings/ holds the very same bytes (a trace directory two nodes share)."""
+        try:
+            if name not in self._sha and self.rings.exists(name):  # written by another node's --local run
+                self._sha[name] = hashlib.sha256(safefs.read_file(self.rings.fd, name, RING_LIMIT)).hexdigest()
+        except OSError as exc:
+            self.problems.append(f"cannot read rings/{name}: {exc.strerror or exc}")
+            return None
+        if name not in self._sha:
+            self._sha[name] = digest
+            return _Target(self.rings, name, f"rings/{name}", digest)
+        if self._sha[name] == digest:
+            return None
+        extra = self.nodes.subdir(safe_name(node))
+        self._extra.append(extra)
+        where = f"nodes/{safe_name(node)}/{name}"
+        self.problems.append(f"{name} exists on more than one node with different content; the copy of node "
+                             f"{node} is in {where}")
+        return _Target(extra, name, where, digest)
+
+    def add_chunk(self, key: int, index: int, offset: int, data: bytes | memoryview) -> None:
+        """Bytes of file ``index`` of the node streaming under ``key``, at ``offset`` (in order)."""
+        inc = self._incoming.get(key)
+        if inc is None or inc.failed:
+            return
+        target = inc.targets.get(index)
+        if index >= len(inc.head.files) or inc.head.files[index].placed is not None:
+            inc.failed = f"a chunk of file {index}, which it does not stream"
+            return
+        if target is None:
+            return  # a copy rings/ already holds
+        if offset != target.written or target.written + len(data) > inc.head.files[index].size:
+            inc.failed = f"{target.name}: bytes at {offset} where {target.written} were expected"
+            return
+        try:
+            target.dir.append(target.name, data, new=target.written == 0)
+        except OSError as exc:
+            inc.failed = f"cannot write {target.where}: {exc.strerror or exc}"
+            return
+        target.sha.update(data)
+        target.written += len(data)
+
+    def end_node(self, key: int, reason: str | None = None) -> None:
+        """The node's stream is over: whole, or cut for ``reason``. A file that did not arrive whole is removed
+        and named, with the node, in the problems."""
+        inc = self._incoming.pop(key, None)
+        if inc is None:
+            return
+        why = inc.failed or reason
+        cut = []
+        for index, t in sorted(inc.targets.items()):
+            f = inc.head.files[index]
+            if t.written == f.size and t.sha.hexdigest() == f.sha256 and not (f.size == 0 and why):
+                if f.size == 0:
+                    try:
+                        t.dir.append(t.name, b"", new=True)
+                    except OSError as exc:
+                        self.problems.append(f"cannot write {t.where}: {exc.strerror or exc}")
+                        continue
+                self.files.append({"name": t.where, "node": inc.head.node, "bytes": f.size, "sha256": f.sha256})
+                continue
+            cut.append(t.where)
+            if t.written:
+                t.dir.unlink(t.name)
+            if self._sha.get(t.name) == t.digest and t.dir is self.rings:
+                del self._sha[t.name]
+        if cut:
+            detail = why or "its bytes did not match the size and sha256 it announced"
+            self.problems.append(f"node {inc.head.node}: {len(cut)} file(s) did not arrive whole ({detail}): "
+                                 + ", ".join(cut[:8]) + (" ..." if len(cut) > 8 else ""))
+            if inc.entry.error is None:
+                inc.entry.error = f"its stream was cut: {detail}"
 
     def adopt(self) -> None:
         """Take in what other nodes' ``--local`` runs wrote into this bundle (nodes/*.json, rings/)."""
@@ -205,7 +309,7 @@ class BundleWriter:
 
     def close(self) -> None:
         """Leave without finishing (another node's --local run finishes the bundle)."""
-        for d in (self.rings, self.nodes, self.out):
+        for d in (*self._extra, self.rings, self.nodes, self.out):
             d.give_away()
             d.close()
 
@@ -240,6 +344,9 @@ class BundleWriter:
                                                       if p.get("in_init_process_group"))},
             "mpi_ranks_missing": self.missing,
             "problems": self.problems,
+            "transfer": {**self.transfer, "files_written_by_nodes": self.placed[0],
+                         "bytes_written_by_nodes": self.placed[1],
+                         "files_written_by_root": len(self.files) - self.placed[0]},
             "files": self.files,
         }
 
@@ -272,7 +379,7 @@ class BundleWriter:
             mode = "quick" if analysis == "auto" and trigger == "hang" and len(self._sha) > 2048 else analysis
             doc["analysis"] = analyse(self, "full" if mode == "auto" else mode, report)
         self._write("collection.json", doc)
-        for d in (self.rings, self.nodes, self.out):
+        for d in (*self._extra, self.rings, self.nodes, self.out):
             d.give_away()
             d.close()
         return doc
@@ -286,3 +393,48 @@ class BundleWriter:
         out += [f"collection: MPI rank {m['mpi_rank']} (one node) missing: {m['reason']}" for m in self.missing]
         out += [f"collection: {p}" for p in self.problems]
         return out
+
+
+def place_files(snap: NodeSnapshot, bundle: str, nonce: str, owner: tuple[int, int] | None) -> tuple[dict[str, str],
+                                                                                                        str | None]:
+    """Write ``snap``'s trace files into ``bundle``'s rings/ from this node, when this node sees the very
+    directory the root made (its ``.gather`` mark holds ``nonce``: a shared filesystem).
+
+    Returns (file name -> bundle-relative path, for each file written or found there with the same bytes;
+    why nothing was placed, or None). A file not placed is left for the stream to the root.
+    """
+    try:
+        dfd = safefs.open_dir(bundle)
+        try:
+            mark = safefs.read_file(dfd, GATHER_MARK, 256).decode("ascii", "replace").strip()
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        return {}, f"the bundle directory is not visible from this node ({exc.strerror or exc})"
+    if not nonce or mark != nonce:
+        return {}, "the bundle directory seen from this node is not the root's (another filesystem)"
+    placed: dict[str, str] = {}
+    try:
+        rings = safefs.OutDir(Path(bundle) / "rings", owner, create=False)
+    except OSError as exc:
+        return {}, f"rings/ of the bundle not writable from this node ({exc.strerror or exc})"
+    with rings:
+        for name, data in sorted(snap.files.items()):
+            try:
+                rings.append(name, b"", new=True)
+            except FileExistsError:  # another node's copy: the same bytes are that copy, others go to the root
+                try:
+                    if safefs.read_file(rings.fd, name, RING_LIMIT) == data:
+                        placed[name] = f"rings/{name}"
+                except OSError:
+                    pass
+                continue
+            except OSError:
+                continue
+            try:
+                rings.append(name, data, new=False)
+            except OSError:  # (a full filesystem, a quota): the root gets the bytes
+                rings.unlink(name)
+                continue
+            placed[name] = f"rings/{name}"
+    return placed, None

@@ -1,57 +1,73 @@
-"""Two-level gather of node payloads to MPI rank 0 (mpi4py, imported lazily), robust to missing nodes.
+"""Two-level gather of node streams to MPI rank 0 (mpi4py, imported lazily), robust to missing nodes.
 
 The collector's MPI ranks (one per node) form groups of ``group_size``
 consecutive ranks; the first rank of each group is its *leader*, and rank 0
-leads group 0 and is the *root*. Every rank sends its compressed payload to its
-leader; each leader sends one frame with its members' payloads to the root. At
-4,096 nodes and groups of 64 the root hears from 64 leaders, not 4,096 ranks,
-and each leader from 63 members.
+leads group 0 and is the *root*. First the root's word (``announce``: where the
+bundle is) goes down the tree, root to leaders to members. Then every rank sends
+its stream of messages (:mod:`megatrace.collect.payload`: a header, then chunks)
+to its leader, and each leader relays every message to the root as it comes: no
+process holds more than one message of another, whatever the node count and the
+ring size. At 4,096 nodes and groups of 32 the root hears from 128 leaders, not
+4,096 ranks.
 
 Why point-to-point and not ``Gatherv``: a collective either completes for
 everyone or never, so one dead or wedged node (the very situation a hang
 collection runs in) would stall it, and it cannot say who is missing. Here the
 receiving side probes (``Iprobe``) for each expected sender until a deadline,
-then moves on and names whoever did not arrive; senders use non-blocking sends
-with deadlines too. Every receipt is acknowledged, and no rank calls
+then moves on and names whoever did not finish; senders use non-blocking sends
+with deadlines too. Every finished stream is acknowledged, and no rank calls
 ``MPI_Finalize`` (which waits for dead peers): each leaves with ``os._exit``
 once its messages are through or its deadline has passed.
 
-Deadlines, from each rank's start, with ``timeout`` T: a leader stops waiting
-for members at 0.5 T, the root stops waiting for leaders at 0.75 T, a sender
-stops waiting for its acknowledgement at T.
+Deadlines, from each rank's start, with ``timeout`` T: a rank that has not heard
+the root's word by 0.25 T goes on without it, a leader stops waiting for members
+at 0.5 T, the root stops waiting for leaders at 0.75 T, a sender stops waiting
+for its acknowledgement at T.
 """
 
 from __future__ import annotations
 
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from megatrace.collect.payload import PayloadError, pack_leader, unpack_leader
-
-TAG_PAYLOAD = 7101
-TAG_FRAME = 7102
+TAG_PAYLOAD = 7101  # member -> leader
+TAG_FRAME = 7102  # leader -> root
 TAG_ACK = 7103
 TAG_DONE = 7104
+TAG_HELLO = 7105  # root -> leader -> member: the root's word
 DONE_FINALIZE, DONE_EXIT = b"\x02", b"\x03"  # the root's last word: finalize together, or just leave
 DONE_WAIT_S = 900.0  # how long a task waits for the root to finish the bundle and the analysis
 FINALIZE_ALARM_S = 30  # MPI_Finalize is a barrier: it never returns if a peer died; SIGALRM ends it
 POLL_S = 0.002
-DEFAULT_GROUP_SIZE = 32  # leaders = nodes / 32: 128 frames at the root for 4,096 nodes
+DEFAULT_GROUP_SIZE = 32  # leaders = nodes / 32: 128 leaders at the root for 4,096 nodes
 DEFAULT_TIMEOUT_S = 60.0
+# Every message travels in an envelope: what it is, and whose stream it belongs to.
+_ENVELOPE = struct.Struct("<BI")
+MESSAGE, END, MISSING, LEADER_DONE = 1, 2, 3, 4
 
-# sink(info, payload): info has mpi_rank, status ("ok" or "missing") and, if missing, reason.
-Sink = Callable[[dict[str, Any], "bytes | None"], None]
+
+class Receiver(Protocol):
+    """The root's side: every rank's messages in its order, then its end, or why it is missing."""
+
+    def message(self, rank: int, data: bytes) -> None: ...
+
+    def end(self, rank: int) -> None: ...
+
+    def missing(self, rank: int, reason: str) -> None: ...
 
 
 @dataclass
 class GatherOutcome:
     rank: int
     size: int
-    received: int = 0  # payloads that reached the root (root only)
-    missing: int = 0  # ranks that did not (root only)
-    arrived: list[int] = field(default_factory=list)  # MPI ranks whose payload reached the root (root only)
+    received: int = 0  # streams that reached the root whole (root only)
+    missing: int = 0  # ranks whose stream did not (root only)
+    arrived: list[int] = field(default_factory=list)  # MPI ranks whose stream reached the root (root only)
+    bytes_received: int = 0  # message bytes through the root (root only)
+    largest_message: int = 0  # bytes of the largest message the root received
 
 
 def members_of(leader: int, size: int, group_size: int) -> list[int]:
@@ -80,24 +96,25 @@ def _send(comm: Any, MPI: Any, data: bytes, dest: int, tag: int, deadline: float
     return _wait(req, deadline)
 
 
-def _recv_from(comm: Any, MPI: Any, sources: list[int], tag: int, deadline: float,
-               on_message: Callable[[int, bytes], None]) -> list[int]:
-    """Receive one message from each of ``sources`` until ``deadline``; returns those that never sent."""
-    pending = set(sources)
+def _receive(comm: Any, MPI: Any, status: Any, source: int, tag: int) -> tuple[int, bytes] | None:
+    """One waiting message of ``tag`` (from ``source``, or any), without blocking: (sender, bytes)."""
+    if not comm.Iprobe(source=source, tag=tag, status=status):
+        return None
+    src = status.Get_source()
+    buf = bytearray(status.Get_count(MPI.BYTE))
+    comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
+    return src, bytes(buf)
+
+
+def _receive_by(comm: Any, MPI: Any, source: int, tag: int, deadline: float) -> bytes | None:
     status = MPI.Status()
-    while pending:
-        if comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
-            src = status.Get_source()
-            buf = bytearray(status.Get_count(MPI.BYTE))
-            comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
-            if src in pending:
-                pending.discard(src)
-                on_message(src, bytes(buf))
-            continue
+    while True:
+        got = _receive(comm, MPI, status, source, tag)
+        if got is not None:
+            return got[1]
         if time.monotonic() >= deadline:
-            break
+            return None
         time.sleep(POLL_S)
-    return sorted(pending)
 
 
 def _ack_all(comm: Any, MPI: Any, ranks: list[int], deadline: float) -> None:
@@ -111,13 +128,37 @@ def _await_ack(comm: Any, MPI: Any, src: int, deadline: float) -> bool:
     return _wait(comm.Irecv([buf, MPI.BYTE], source=src, tag=TAG_ACK), deadline)
 
 
-def gather(comm: Any, produce: Callable[[], bytes], sink: Sink | None, group_size: int = DEFAULT_GROUP_SIZE,
-           timeout: float = DEFAULT_TIMEOUT_S, start: float | None = None) -> GatherOutcome:
-    """Gather ``produce()`` of every rank of ``comm`` to rank 0, which passes each to ``sink``.
+def _envelope(kind: int, rank: int, body: bytes = b"") -> bytes:
+    return _ENVELOPE.pack(kind, rank) + body
 
-    ``produce`` is called once on every rank (a member's send waits for its leader meanwhile). On
-    rank 0, ``sink`` is called for every rank, in arrival order: with its payload, or with ``None`` and
-    a reason when it did not arrive by the deadline.
+
+def _open(data: bytes) -> tuple[int, int, bytes] | None:
+    if len(data) < _ENVELOPE.size:
+        return None
+    kind, rank = _ENVELOPE.unpack_from(data)
+    return kind, rank, data[_ENVELOPE.size:]
+
+
+def _own_stream(produce: Callable[[bytes | None], Iterable[bytes]], word: bytes | None,
+                send: Callable[[int, bytes], bool]) -> bool:
+    """Send this rank's messages with ``send(kind, body)``, then its end; False once a send failed."""
+    try:
+        for msg in produce(word):
+            if not send(MESSAGE, msg):
+                return False
+    except Exception:  # a producer that fails mid-stream ends it: the root names what is incomplete
+        pass
+    return send(END, b"")
+
+
+def gather(comm: Any, produce: Callable[[bytes | None], Iterable[bytes]], receiver: Receiver | None,
+           group_size: int = DEFAULT_GROUP_SIZE, timeout: float = DEFAULT_TIMEOUT_S, start: float | None = None,
+           announce: bytes | None = None) -> GatherOutcome:
+    """Bring every rank's ``produce(word)`` messages to rank 0, which hands them to ``receiver``.
+
+    ``word`` is rank 0's ``announce``, or None on a rank it did not reach in time. ``produce`` is
+    called once on every rank. On rank 0, ``receiver`` hears each rank's messages in order, then
+    ``end``, or ``missing`` with a reason when its stream did not finish by the deadline.
     """
     from mpi4py import MPI
 
@@ -126,66 +167,140 @@ def gather(comm: Any, produce: Callable[[], bytes], sink: Sink | None, group_siz
     group_size = max(2, int(group_size))
     out = GatherOutcome(rank, size)
     leader = rank - rank % group_size
-    t_members, t_leaders, t_end = start + 0.5 * timeout, start + 0.75 * timeout, start + timeout
+    t_word, t_members = start + 0.25 * timeout, start + 0.5 * timeout
+    t_leaders, t_end = start + 0.75 * timeout, start + timeout
     if rank != leader:
-        payload = produce()
-        if _send(comm, MPI, payload, leader, TAG_PAYLOAD, t_end):
+        word = _receive_by(comm, MPI, leader, TAG_HELLO, t_word)
+        if _own_stream(produce, word, lambda kind, body: _send(comm, MPI, _envelope(kind, rank, body), leader,
+                                                                  TAG_PAYLOAD, t_end)):
             _await_ack(comm, MPI, leader, t_end)
         return out
 
-    got: list[tuple[dict[str, Any], bytes | None]] = []
+    word = announce if rank == 0 else _receive_by(comm, MPI, 0, TAG_HELLO, t_word)
     members = members_of(leader, size, group_size)
+    down = members + (leaders(size, group_size)[1:] if rank == 0 else [])  # the word goes on down the tree
+    word_reqs = [comm.Isend([word, MPI.BYTE], dest=r, tag=TAG_HELLO) for r in down] if word is not None else []
+    if rank == 0:
+        assert receiver is not None
+        relay = _Root(out, receiver, size, group_size)
 
-    def take(src: int, data: bytes) -> None:
-        if rank == 0:  # the root writes each payload as it arrives; a leader forwards its group's at once
-            _deliver(sink, out, {"mpi_rank": src, "status": "ok"}, data)  # type: ignore[arg-type]
-        else:
-            got.append(({"mpi_rank": src, "status": "ok"}, data))
+        def deliver(kind: int, src: int, body: bytes) -> bool:
+            relay.take(kind, src, body)
+            return True
+    else:
+        def deliver(kind: int, src: int, body: bytes) -> bool:
+            return _send(comm, MPI, _envelope(kind, src, body), 0, TAG_FRAME, t_end)
 
-    take(rank, produce())
-
-    late = _recv_from(comm, MPI, members, TAG_PAYLOAD, t_members, take)
-    for r in late:
-        got.append(({"mpi_rank": r, "status": "missing",
-                     "reason": f"sent nothing to its group leader (MPI rank {leader}) within the deadline"}, None))
-    _ack_all(comm, MPI, [r for r in members if r not in late], t_end)
+    if not _own_stream(produce, word, lambda kind, body: deliver(kind, rank, body)):
+        return out  # the root is gone or silent: nobody to relay to
+    ended = _relay_members(comm, MPI, members, leader, deliver, t_members,
+                           relay if rank == 0 else None, t_leaders)
+    if ended is None:
+        return out
+    _ack_all(comm, MPI, ended, t_end)
+    for req in word_reqs:
+        _wait(req, min(t_end, time.monotonic() + 1.0))
     if rank != 0:
-        if _send(comm, MPI, pack_leader(got), 0, TAG_FRAME, t_end):
+        if _send(comm, MPI, _envelope(LEADER_DONE, rank), 0, TAG_FRAME, t_end):
             _await_ack(comm, MPI, 0, t_end)
         return out
-
-    assert sink is not None
-    for info, payload in got:  # the root's own group: only the members that did not arrive
-        _deliver(sink, out, info, payload)
-    got.clear()
-
-    def take_frame(src: int, frame: bytes) -> None:
-        try:
-            entries = unpack_leader(frame)
-        except PayloadError as exc:
-            entries = [({"mpi_rank": r, "status": "missing", "reason": f"frame of leader {src} unreadable: {exc}"},
-                        None) for r in [src] + members_of(src, size, group_size)]
-        for info, payload in entries:
-            _deliver(sink, out, info, payload)
-
-    other = leaders(size, group_size)[1:]
-    silent = _recv_from(comm, MPI, other, TAG_FRAME, t_leaders, take_frame)
-    for lead in silent:
-        for r in [lead] + members_of(lead, size, group_size):
-            _deliver(sink, out, {"mpi_rank": r, "status": "missing",
-                                 "reason": f"its group leader (MPI rank {lead}) sent nothing to the root "
-                                           "within the deadline"}, None)
-    _ack_all(comm, MPI, [lead for lead in other if lead not in silent], min(t_end, time.monotonic() + 5.0))
+    _ack_all(comm, MPI, relay.done_leaders, min(t_end, time.monotonic() + 5.0))
     return out
 
 
-def _deliver(sink: Sink, out: GatherOutcome, info: dict[str, Any], payload: bytes | None) -> None:
-    if payload is None:
-        out.missing += 1
-    else:
-        out.received += 1
-        out.arrived.append(int(info["mpi_rank"]))
-    sink(info, payload)
+class _Root:
+    """The root's bookkeeping of the other groups: whose stream ended or went missing, which leader is done."""
+
+    def __init__(self, out: GatherOutcome, receiver: Receiver, size: int, group_size: int) -> None:
+        self.out, self.receiver, self.size, self.group_size = out, receiver, size, group_size
+        self.closed: set[int] = set()  # ranks whose stream ended, or that were named missing
+        self.started: set[int] = set()
+        self.pending = set(leaders(size, group_size)[1:])
+        self.done_leaders: list[int] = []
+
+    def take(self, kind: int, src: int, body: bytes) -> None:
+        if src in self.closed:
+            return
+        if kind == MESSAGE:
+            self.started.add(src)
+            self.out.bytes_received += len(body)
+            self.out.largest_message = max(self.out.largest_message, len(body))
+            self.receiver.message(src, body)
+        elif kind == END:
+            self.closed.add(src)
+            self.out.received += 1
+            self.out.arrived.append(src)
+            self.receiver.end(src)
+        elif kind == MISSING:
+            self.closed.add(src)
+            self.out.missing += 1
+            self.receiver.missing(src, body.decode("utf-8", "replace"))
+
+    def frame(self, lead: int, data: bytes) -> None:
+        """A message a leader relayed (its own stream's, a member's, or its last word)."""
+        opened = _open(data)
+        if opened is None or lead not in self.pending:
+            return
+        kind, src, body = opened
+        if kind == LEADER_DONE:
+            self.pending.discard(lead)
+            self.done_leaders.append(lead)
+            self._give_up(lead, "its group leader (MPI rank {lead}) said it was done without it")
+        elif src == lead or src in members_of(lead, self.size, self.group_size):
+            self.take(kind, src, body)
+
+    def _give_up(self, lead: int, why: str) -> None:
+        for r in [lead] + members_of(lead, self.size, self.group_size):
+            if r not in self.closed:
+                state = "stopped part-way" if r in self.started else "sent nothing"
+                self.take(MISSING, r, f"{state}: {why.format(lead=lead)}".encode())
+
+    def deadline(self) -> None:
+        for lead in sorted(self.pending):
+            self._give_up(lead, "its group leader (MPI rank {lead}) did not relay it to the root within the "
+                                "deadline")
+        self.pending.clear()
+
+
+def _relay_members(comm: Any, MPI: Any, members: list[int], leader: int, deliver: Callable[[int, int, bytes], bool],
+                   t_members: float, root: _Root | None, t_leaders: float) -> list[int] | None:
+    """Relay each member's messages with ``deliver`` as they come, until every member's stream ended or the
+    deadline; on the root, take the other leaders' messages in the same loop. Returns the members whose
+    stream ended, or None once a relay to the root failed."""
+    pending, started, ended = set(members), set(), []
+    status = MPI.Status()
+    while pending or (root is not None and root.pending):
+        busy = False
+        if pending and (got := _receive(comm, MPI, status, MPI.ANY_SOURCE, TAG_PAYLOAD)) is not None:
+            busy = True
+            src, data = got
+            opened = _open(data)
+            if opened is not None and src in pending and opened[1] == src and opened[0] in (MESSAGE, END):
+                kind, _, body = opened
+                started.add(src)
+                if not deliver(kind, src, body):
+                    return None
+                if kind == END:
+                    pending.discard(src)
+                    ended.append(src)
+        if root is not None and root.pending and (got := _receive(comm, MPI, status, MPI.ANY_SOURCE,
+                                                                  TAG_FRAME)) is not None:
+            busy = True
+            root.frame(*got)
+        if busy:
+            continue
+        now = time.monotonic()
+        if pending and now >= t_members:
+            for r in sorted(pending):
+                state = (f"its stream stopped part-way (relayed by its group leader, MPI rank {leader})"
+                         if r in started else f"sent nothing to its group leader (MPI rank {leader})")
+                if not deliver(MISSING, r, f"{state} within the deadline".encode()):
+                    return None
+            pending.clear()
+        if root is not None and root.pending and now >= t_leaders:
+            root.deadline()
+        time.sleep(POLL_S)
+    return ended
 
 
 def release(comm: Any, outcome: GatherOutcome, done_wait: float = DONE_WAIT_S) -> bool:

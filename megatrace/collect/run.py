@@ -1,10 +1,14 @@
 """The collector's two ways to run: one MPI task per node (gather to rank 0), or ``--local`` (this node only).
 
 :func:`collect_mpi` is what ``megatrace collect`` runs under ``srun --overlap
---mpi=pmi2 --ntasks-per-node=1`` or ``mpiexec``: every task snapshots its node,
-the payloads travel to MPI rank 0 through the two-level gather
-(:mod:`megatrace.collect.gather`), and rank 0 writes the bundle as they arrive,
-then runs the analysis. No task ever waits past its deadline for a node that
+--mpi=pmi2 --ntasks-per-node=1`` or ``mpiexec``: MPI rank 0 makes the bundle
+directory and tells every task where it is; every task snapshots its node and,
+when it sees that very directory (a job directory on a filesystem every node
+mounts), writes its own trace files into it; its facts, its file list with
+sizes and sha256, and the bytes of any file it could not write travel to rank 0
+through the two-level gather (:mod:`megatrace.collect.gather`), in bounded
+messages written into the bundle as they arrive. Rank 0 then writes the index
+and runs the analysis. No task ever waits past its deadline for a node that
 does not answer: that node is named missing and the rest is analysed.
 
 :func:`collect_local` copies this node's rings into the bundle without MPI (the
@@ -13,18 +17,21 @@ epilog's fallback); several nodes may add to the same bundle directory.
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatrace.collect import safefs
-from megatrace.collect.bundle import GATHER_MARK, LOCAL_MARK, Analyse, BundleWriter, bundle_path
+from megatrace.collect.bundle import GATHER_MARK, LOCAL_MARK, Analyse, BundleWriter, bundle_path, place_files
 from megatrace.collect.gather import DEFAULT_GROUP_SIZE, DEFAULT_TIMEOUT_S, gather, release
 from megatrace.collect.node import NodeSnapshot, default_ring_dir, snapshot_node
-from megatrace.collect.payload import PayloadError, pack_node, unpack_node
+from megatrace.collect.payload import PayloadError, header_of, messages, unpack_chunk, unpack_header
 from megatrace.errors import MegatraceError
 from megatrace.names import node_name
 
@@ -48,6 +55,7 @@ class CollectOptions:
     system: bool = True
     timeout: float = DEFAULT_TIMEOUT_S
     group_size: int = DEFAULT_GROUP_SIZE
+    transfer: str = "auto"  # auto: nodes that see the bundle write their own files into it; stream: all via MPI
     expected_nodes: list[str] | None = None
     layout: str | None = None  # a layout YAML copied into the bundle (root only)
     log: Any = field(default=None, repr=False)
@@ -133,6 +141,42 @@ def _import_mpi() -> Any:
     return MPI
 
 
+class _BundleReceiver:
+    """The root's receiver: each node's stream (header, then chunks) written into the bundle as it arrives."""
+
+    def __init__(self, writer: BundleWriter) -> None:
+        self.writer = writer
+        self.heard: set[int] = set()  # MPI ranks whose header arrived
+        self.unreadable: dict[int, str] = {}
+
+    def message(self, rank: int, data: bytes) -> None:
+        if rank in self.unreadable:
+            return
+        try:
+            if rank in self.heard:
+                self.writer.add_chunk(rank, *unpack_chunk(data))
+                return
+            head = unpack_header(data)
+        except PayloadError as exc:
+            self.unreadable[rank] = f"payload unreadable: {exc}"
+            self.writer.end_node(rank, self.unreadable[rank])
+            return
+        self.heard.add(rank)
+        self.writer.begin_node(head, rank, rank)
+
+    def end(self, rank: int) -> None:
+        if rank in self.heard:
+            self.writer.end_node(rank, self.unreadable.get(rank))
+        else:
+            self.writer.add_missing({"mpi_rank": rank, "reason": self.unreadable.get(rank, "sent no header")})
+
+    def missing(self, rank: int, reason: str) -> None:
+        if rank in self.heard:
+            self.writer.end_node(rank, reason)
+        else:
+            self.writer.add_missing({"mpi_rank": rank, "reason": reason})
+
+
 def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
     """Run as one task of an MPI job; on rank 0, ``report(collection_doc)`` is called once the bundle is done.
 
@@ -145,36 +189,38 @@ def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
     rank = comm.Get_rank()
     job_id = opts.resolved_job_id()
     writer: BundleWriter | None = None
+    word: bytes | None = None
     if rank == 0:
         root = os.geteuid() == 0
         out = Path(opts.out) if opts.out else bundle_path(opts.job_dir, job_id, fresh=root)
         writer = BundleWriter(out, job_id, _owner(opts.job_dir), exclusive=root and not opts.out)
-        writer.claim(GATHER_MARK)
+        nonce = secrets.token_hex(16)  # a node that reads it in the bundle directory sees the root's very directory
+        writer.out.write(GATHER_MARK, nonce.encode() + b"\n", replace=True)
+        word = json.dumps({"bundle": str(writer.path), "nonce": nonce, "place": opts.transfer == "auto"}).encode()
         _say(opts, f"collect: {comm.Get_size()} collector tasks -> {out}")
 
-    def sink(info: dict[str, Any], payload: bytes | None) -> None:
-        assert writer is not None
-        if payload is None:
-            writer.add_missing(info)
-            return
+    def produce(word: bytes | None) -> Iterator[bytes]:
+        node = opts.node or node_name()
+        t0, c0 = time.monotonic(), time.process_time()
         try:
-            snap = unpack_node(payload)
-        except PayloadError as exc:
-            writer.add_missing({**info, "reason": f"payload unreadable: {exc}"})
-            return
-        writer.add_node(snap, info.get("mpi_rank"))
-
-    def produce() -> bytes:
-        try:
-            return pack_node(_snapshot(opts))
+            snap = _snapshot(opts)
         except Exception as exc:  # a node that cannot snapshot still reports why
-            node = opts.node or node_name()
-            return pack_node(NodeSnapshot(node, {}, {"node": node}, f"snapshot failed: {type(exc).__name__}: "
-                                                                   f"{exc}"))
+            snap = NodeSnapshot(node, {}, {"node": node}, f"snapshot failed: {type(exc).__name__}: {exc}")
+        placed, why = _place(snap, word, opts)
+        head = header_of(snap, placed)  # (the digests of every file)
+        snap.facts["transfer"] = {"placed": len(placed), "streamed": len(snap.files) - len(placed),
+                                  "bytes": sum(len(b) for b in snap.files.values()),
+                                  "seconds": round(time.monotonic() - t0, 4),  # snapshot, own writes, digests
+                                  "cpu_seconds": round(time.process_time() - c0, 4)} | (
+            {"why_streamed": why} if why else {})
+        yield from messages(snap, head)
 
-    outcome = gather(comm, produce, sink if rank == 0 else None, opts.group_size, opts.timeout, start)
+    receiver = _BundleReceiver(writer) if writer is not None else None
+    outcome = gather(comm, produce, receiver, opts.group_size, opts.timeout, start, announce=word)
     if rank == 0:
         assert writer is not None
+        writer.transfer = {"mode": opts.transfer, "bytes_through_root": outcome.bytes_received,
+                           "largest_message": outcome.largest_message}
         _add_layout(writer, opts)
         doc = writer.finish(opts.trigger, opts.detail, opts.expected_nodes, opts.analysis, opts.report,
                             opts.analyse)
@@ -182,6 +228,22 @@ def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
         if report is not None:
             report(doc)
     return release(comm, outcome)
+
+
+def _place(snap: NodeSnapshot, word: bytes | None, opts: CollectOptions) -> tuple[dict[str, str], str | None]:
+    """Write this node's files into the bundle itself when the root's word allows it and this node sees
+    the bundle (a shared job directory); else every byte goes through the gather."""
+    if word is None:
+        return {}, "the root's word did not arrive in time"
+    try:
+        doc = json.loads(word)
+    except ValueError:
+        return {}, "the root's word is unreadable"
+    if not doc.get("place"):
+        return {}, "--transfer stream"
+    if not snap.files:
+        return {}, None
+    return place_files(snap, str(doc.get("bundle", "")), str(doc.get("nonce", "")), _owner(opts.job_dir))
 
 
 def exit_now(code: int) -> None:

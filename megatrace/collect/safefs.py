@@ -69,12 +69,15 @@ class OutDir:
     """
 
     def __init__(self, path: str | os.PathLike[str], owner: tuple[int, int] | None = None,
-                 exclusive: bool = False) -> None:
+                 exclusive: bool = False, create: bool = True) -> None:
+        """``exclusive``: the directory must be new; ``create`` False: it must exist (FileNotFoundError)."""
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.owner = owner
         parent_fd = open_dir(self.path.parent)
         try:
             try:
+                if not create:
+                    raise FileExistsError
                 os.mkdir(self.path.name, 0o755, dir_fd=parent_fd)
                 created = True
             except FileExistsError:
@@ -120,8 +123,8 @@ class OutDir:
         """A path that reaches this very directory even if its name was since replaced by a link."""
         return f"/proc/self/fd/{self.fd}"
 
-    def subdir(self, name: str) -> "OutDir":
-        return OutDir(self.path / name, self.owner)
+    def subdir(self, name: str, create: bool = True) -> "OutDir":
+        return OutDir(self.path / name, self.owner, create=create)
 
     def write(self, name: str, data: bytes, replace: bool = False) -> Path:
         """Write a new file ``name``; with ``replace``, an existing regular file is replaced atomically."""
@@ -132,19 +135,33 @@ class OutDir:
                 os.unlink(target, dir_fd=self.fd)
             except FileNotFoundError:
                 pass
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                     dir_fd=self.fd)
+        self.append(target, data, new=True)
+        if replace:
+            os.rename(target, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        return self.path / name
+
+    def append(self, name: str, data: bytes | memoryview, new: bool) -> None:
+        """Write ``data`` at the end of file ``name``: a new file (O_EXCL) when ``new``, else one this
+        directory holds already (a regular file, never through a link)."""
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if new else os.O_APPEND)
+        fd = os.open(name, flags, 0o644, dir_fd=self.fd)
         try:
-            self._chown(fd)
+            if new:
+                self._chown(fd)
+            elif not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UnsafePathError(errno.EPERM, f"{self.path / name}: not a regular file; not written into")
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
         finally:
             os.close(fd)
-        if replace:
-            os.rename(target, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        return self.path / name
+
+    def unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
 
     def exists(self, name: str) -> bool:
         try:
