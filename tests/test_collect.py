@@ -283,3 +283,79 @@ def test_a_local_collection_of_rings_claiming_two_billion_ranks_still_writes_col
     assert done.returncode == 0 and int(done.stdout.split()[-1]) < 400_000, done.stderr[-2000:]
     doc = json.loads((job / "megatrace-5" / "collection.json").read_text())
     assert "world size 2147483647 is outside 1..1048576" in "\n".join(doc["problems"])
+
+
+def _collector_pid(node: str) -> int | None:
+    """The pid of the emulated node ``node``'s collector (its environment names the node)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if b"collect" in (d / "cmdline").read_bytes() and \
+                    f"MEGATRACE_NODE_NAME={node}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                return int(d.name)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_a_leader_wedged_part_way_through_its_stream_is_named_and_leaves_no_partial_ring(tmp_path: Path) -> None:
+    """SIGSTOP from outside on a group leader (n3) once the root has written the first bytes of its first large file:
+    the root names it ("stopped part-way") and its member n4 missing at its deadline, removes the part it wrote,
+    keeps what had arrived whole, and finishes the bundle; nothing waits for the stopped process."""
+    import signal
+
+    from helpers.outside import wait_for
+
+    from megatrace.trace.ring_writer import RingIdentity, RingWriter
+
+    for r, node in enumerate(NODES):
+        w = RingWriter(tmp_path / "nodes" / node, RingIdentity(rank=r, world_size=4, job_id="w", host=node),
+                       capacity=64, use_native=False)
+        for i in range(20):
+            w.complete(w.begin(1, 1, i + 1, 4))
+        w.close()
+    for k in range(1, 5):  # 128 MiB that do not compress: eight 16 MiB chunks, seconds through the root
+        (tmp_path / "nodes" / "n3" / f"rank-00002.ring.{k}").write_bytes(os.urandom(32 << 20))
+    job = tmp_path / "job"
+    job.mkdir()
+    cmd = [MPIEXEC, "-disable-auto-cleanup"]
+    for i, node in enumerate(NODES):
+        cmd += ([":"] if i else []) + ["-n", "1", "-env", "MEGATRACE_NODE_NAME", node, str(BIN / "megatrace"),
+                                       "collect", "--ring-dir", f"{tmp_path}/nodes/%n", "--job-dir", str(job),
+                                       "--job-id", "w", "--no-system", "--no-stacks", "--group-size", "2",
+                                       "--timeout", "20", "--analysis", "none", "--transfer", "stream"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bundle = job / "megatrace-w"
+    stopped = None
+    try:
+        wedged = wait_for(lambda: _collector_pid("n3"), 60, step=0.05, awaited="n3's collector to start")
+        wait_for(lambda: (bundle / "rings" / "rank-00002.ring.1").exists(), 60, step=0.01,
+                 awaited="the root to write the first bytes of n3's first large file")
+        os.kill(wedged, signal.SIGSTOP)
+        stopped = wedged
+        wait_for(lambda: (bundle / "collection.json").exists(), 60, step=0.1,
+                 awaited="the root to finish the bundle without n3 and n4")
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+    doc = json.loads((bundle / "collection.json").read_text())
+    assert doc["nodes"]["collected"] == ["n1", "n2"], (doc["nodes"], err[-2000:])
+    missing = {m["node"]: m["reason"] for m in doc["nodes"]["missing"]}
+    assert "stopped part-way" in missing["n3"] or "cut" in missing["n3"], missing
+    # n3's own ring and meta file came whole before its large files: kept (nothing lost); the file it was cut in
+    # is gone, the others never started
+    assert doc["ranks"]["collected"] == 3 and doc["ranks"]["missing"] == [3], doc["ranks"]
+    left = sorted(p.name for p in (bundle / "rings").iterdir())
+    assert left == [f"rank-{r:05d}.{s}" for r in range(3) for s in ("meta.jsonl", "ring")], left
+    assert any("rank-00002.ring.1" in p and "did not arrive whole" in p for p in doc["problems"]), doc["problems"]
+    for r, node in enumerate(NODES[:3]):
+        name = f"rank-{r:05d}.ring"
+        assert (bundle / "rings" / name).read_bytes() == (tmp_path / "nodes" / node / name).read_bytes()

@@ -165,3 +165,17 @@ def test_a_file_planted_under_a_rings_name_is_not_taken_for_the_nodes(tmp_path: 
     clash = writer.path / "nodes" / "nodeA" / "rank-00000.ring"
     assert clash.read_bytes() == snap.files["rank-00000.ring"]
     assert any("more than one node with different content" in p for p in doc["problems"]), doc["problems"]
+
+
+def test_a_file_a_node_left_part_written_is_hidden_from_the_analysis_and_named(tmp_path: Path) -> None:
+    """A node writes its files under a hidden name and links each to its own once whole; one stopped part-way
+    leaves only the hidden file, which the bundle names."""
+    snap = _snap(tmp_path)
+    writer = _shared_bundle(tmp_path)
+    placed, _ = place_files(snap, str(writer.path), "n0nce", None)
+    assert sorted(p.name for p in (writer.path / "rings").iterdir()) == sorted(snap.files)  # no hidden file left
+    (writer.path / "rings" / ".incoming.n0nce.nodeB.rank-00001.ring").write_bytes(b"part")  # a node stopped here
+    _stream(snap, writer, 2, placed=placed)
+    doc = writer.finish(analysis="none")
+    assert any("left part-written" in p and ".incoming.n0nce.nodeB.rank-00001.ring" in p for p in doc["problems"])
+    assert all(not f["name"].startswith("rings/.") for f in doc["files"])

@@ -48,6 +48,7 @@ def _proc_entry(facts: dict[str, Any], pid: Any, node: str) -> dict[str, Any]:
 
 
 GATHER_MARK, LOCAL_MARK = ".gather", ".local"  # which kind of collection fills a bundle directory
+INCOMING_PREFIX = ".incoming."  # a file a node is still writing into rings/ (see place_files)
 
 
 def bundle_path(job_dir: str | os.PathLike[str], job_id: str, fresh: bool = False, local: bool = False) -> Path:
@@ -231,8 +232,8 @@ class BundleWriter:
         cut = []
         for index, t in sorted(inc.targets.items()):
             f = inc.head.files[index]
-            if t.written == f.size and t.sha.hexdigest() == f.sha256 and not (f.size == 0 and why):
-                if f.size == 0:
+            if t.written == f.size and t.sha.hexdigest() == f.sha256:
+                if f.size == 0:  # (no chunk: the header said it all)
                     try:
                         t.dir.append(t.name, b"", new=True)
                     except OSError as exc:
@@ -369,6 +370,13 @@ class BundleWriter:
                 if p.get("alive") is False and p.get("tracer_closed") is False:
                     p["signal"] = "an unknown signal or crash (process gone, its ring still open)"
         self._write("procs.json", procs)
+        try:
+            left = [n for n in safefs.list_dir(self.rings.fd) if n.startswith(INCOMING_PREFIX)]
+        except OSError:
+            left = []
+        if left:
+            self.problems.append(f"{len(left)} file(s) in rings/ left part-written by a node that stopped while "
+                                 "writing them (not trace files to the analysis): " + ", ".join(sorted(left)[:8]))
         doc = self.summary(trigger, detail, expected_nodes)
         if analysis == "none" or not self._sha:
             doc["analysis"] = {"ran": False, "reason": "disabled" if analysis == "none" else
@@ -420,21 +428,25 @@ def place_files(snap: NodeSnapshot, bundle: str, nonce: str, owner: tuple[int, i
         return {}, f"rings/ of the bundle not writable from this node ({exc.strerror or exc})"
     with rings:
         for name, data in sorted(snap.files.items()):
+            # Written under a name no reader takes for a trace file, then linked to its own (no replace): a
+            # node wedged or killed part-way leaves a hidden partial file, never a short ring for the analysis.
+            partial = f"{INCOMING_PREFIX}{nonce[:8]}.{safe_name(snap.node)}.{name}"
             try:
-                rings.append(name, b"", new=True)
+                rings.append(partial, data, new=True)
+            except OSError:  # (a full filesystem, a quota, a name taken): the root gets the bytes
+                if rings.exists(partial):
+                    rings.unlink(partial)
+                continue
+            try:
+                os.link(partial, name, src_dir_fd=rings.fd, dst_dir_fd=rings.fd, follow_symlinks=False)
+                placed[name] = f"rings/{name}"
             except FileExistsError:  # another node's copy: the same bytes are that copy, others go to the root
                 try:
                     if safefs.read_file(rings.fd, name, RING_LIMIT) == data:
                         placed[name] = f"rings/{name}"
                 except OSError:
                     pass
-                continue
             except OSError:
-                continue
-            try:
-                rings.append(name, data, new=False)
-            except OSError:  # (a full filesystem, a quota): the root gets the bytes
-                rings.unlink(name)
-                continue
-            placed[name] = f"rings/{name}"
+                pass
+            rings.unlink(partial)
     return placed, None
