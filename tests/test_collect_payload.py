@@ -98,6 +98,7 @@ def test_chunks_out_of_order_or_altered_are_refused(tmp_path: Path, monkeypatch)
         doc = w.finish(analysis="none")
         assert not (w.path / "rings" / "rank-00000.ring").exists()
         assert any(what in p for p in doc["problems"]), doc["problems"]
+        assert [f["name"] for f in doc["files"]] == ["rings/rank-00000.meta.jsonl"]  # its other file is kept
 
 
 def test_a_header_naming_a_file_outside_the_trace_names_or_the_bundle_is_refused() -> None:

@@ -94,6 +94,7 @@ class _Target:
     digest: str  # the sha256 its node announced
     written: int = 0
     sha: Any = field(default_factory=hashlib.sha256)
+    failed: str | None = None  # why its bytes stopped being written (the node's other files go on)
 
 
 @dataclass
@@ -101,7 +102,7 @@ class _Incoming:
     head: NodeHeader
     entry: NodeEntry
     targets: dict[int, _Target]  # file index -> where its chunks go (absent: rings/ holds it already)
-    failed: str | None = None  # why the rest of its stream is dropped
+    failed: str | None = None  # why the rest of its stream is dropped (a chunk the header did not announce)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class BundleWriter:
         self.problems: list[str] = []
         self._sha: dict[str, str] = {}
         self._incoming: dict[int, _Incoming] = {}  # nodes whose stream is being written, by key (MPI rank)
-        self._extra: list[safefs.OutDir] = []  # nodes/<node>/ directories opened for name clashes
+        self._extra: dict[str, safefs.OutDir] = {}  # nodes/<node>/ directories opened for name clashes
         self.placed = [0, 0]  # files and bytes the nodes wrote into rings/ themselves
         self.transfer: dict[str, Any] = {}  # how the gather moved them (set by the collector)
 
@@ -193,8 +194,9 @@ class BundleWriter:
             return _Target(self.rings, name, f"rings/{name}", digest)
         if self._sha[name] == digest:
             return None
-        extra = self.nodes.subdir(safe_name(node))
-        self._extra.append(extra)
+        if node not in self._extra:
+            self._extra[node] = self.nodes.subdir(safe_name(node))
+        extra = self._extra[node]
         where = f"nodes/{safe_name(node)}/{name}"
         self.problems.append(f"{name} exists on more than one node with different content; the copy of node "
                              f"{node} is in {where}")
@@ -209,15 +211,15 @@ class BundleWriter:
         if index >= len(inc.head.files) or inc.head.files[index].placed is not None:
             inc.failed = f"a chunk of file {index}, which it does not stream"
             return
-        if target is None:
-            return  # a copy rings/ already holds
+        if target is None or target.failed:
+            return  # a copy rings/ already holds, or a file that failed already
         if offset != target.written or target.written + len(data) > inc.head.files[index].size:
-            inc.failed = f"{target.name}: bytes at {offset} where {target.written} were expected"
+            target.failed = f"{target.name}: bytes at {offset} where {target.written} were expected"
             return
         try:
             target.dir.append(target.name, data, new=target.written == 0)
         except OSError as exc:
-            inc.failed = f"cannot write {target.where}: {exc.strerror or exc}"
+            target.failed = f"cannot write {target.where}: {exc.strerror or exc}"
             return
         target.sha.update(data)
         target.written += len(data)
@@ -228,11 +230,10 @@ class BundleWriter:
         inc = self._incoming.pop(key, None)
         if inc is None:
             return
-        why = inc.failed or reason
-        cut = []
+        cut, whys = [], []
         for index, t in sorted(inc.targets.items()):
             f = inc.head.files[index]
-            if t.written == f.size and t.sha.hexdigest() == f.sha256:
+            if t.written == f.size and t.sha.hexdigest() == f.sha256 and not t.failed:
                 if f.size == 0:  # (no chunk: the header said it all)
                     try:
                         t.dir.append(t.name, b"", new=True)
@@ -242,12 +243,14 @@ class BundleWriter:
                 self.files.append({"name": t.where, "node": inc.head.node, "bytes": f.size, "sha256": f.sha256})
                 continue
             cut.append(t.where)
+            whys.append(t.failed or inc.failed or reason)
             if t.written:
                 t.dir.unlink(t.name)
             if self._sha.get(t.name) == t.digest and t.dir is self.rings:
                 del self._sha[t.name]
         if cut:
-            detail = why or "its bytes did not match the size and sha256 it announced"
+            detail = "; ".join(dict.fromkeys(w for w in whys if w)) or \
+                "its bytes did not match the size and sha256 it announced"
             self.problems.append(f"node {inc.head.node}: {len(cut)} file(s) did not arrive whole ({detail}): "
                                  + ", ".join(cut[:8]) + (" ..." if len(cut) > 8 else ""))
             if inc.entry.error is None:
@@ -310,7 +313,7 @@ class BundleWriter:
 
     def close(self) -> None:
         """Leave without finishing (another node's --local run finishes the bundle)."""
-        for d in (*self._extra, self.rings, self.nodes, self.out):
+        for d in (*self._extra.values(), self.rings, self.nodes, self.out):
             d.give_away()
             d.close()
 
@@ -387,7 +390,7 @@ class BundleWriter:
             mode = "quick" if analysis == "auto" and trigger == "hang" and len(self._sha) > 2048 else analysis
             doc["analysis"] = analyse(self, "full" if mode == "auto" else mode, report)
         self._write("collection.json", doc)
-        for d in (*self._extra, self.rings, self.nodes, self.out):
+        for d in (*self._extra.values(), self.rings, self.nodes, self.out):
             d.give_away()
             d.close()
         return doc
