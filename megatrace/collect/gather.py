@@ -139,16 +139,16 @@ def _open(data: bytes) -> tuple[int, int, bytes] | None:
     return kind, rank, data[_ENVELOPE.size:]
 
 
-def _own_stream(produce: Callable[[bytes | None], Iterable[bytes]], word: bytes | None,
-                send: Callable[[int, bytes], bool]) -> bool:
-    """Send this rank's messages with ``send(kind, body)``, then its end; False once a send failed."""
+def _own_stream(produce: Callable[[bytes | None], Iterable[bytes]], word: bytes | None, rank: int,
+                send: Callable[[bytes], bool]) -> bool:
+    """Send this rank's messages, each in its envelope, with ``send``, then its end; False once a send failed."""
     try:
         for msg in produce(word):
-            if not send(MESSAGE, msg):
+            if not send(_envelope(MESSAGE, rank, msg)):
                 return False
     except Exception:  # a producer that fails mid-stream ends it: the root names what is incomplete
         pass
-    return send(END, b"")
+    return send(_envelope(END, rank))
 
 
 def gather(comm: Any, produce: Callable[[bytes | None], Iterable[bytes]], receiver: Receiver | None,
@@ -171,8 +171,7 @@ def gather(comm: Any, produce: Callable[[bytes | None], Iterable[bytes]], receiv
     t_leaders, t_end = start + 0.75 * timeout, start + timeout
     if rank != leader:
         word = _receive_by(comm, MPI, leader, TAG_HELLO, t_word)
-        if _own_stream(produce, word, lambda kind, body: _send(comm, MPI, _envelope(kind, rank, body), leader,
-                                                                  TAG_PAYLOAD, t_end)):
+        if _own_stream(produce, word, rank, lambda env: _send(comm, MPI, env, leader, TAG_PAYLOAD, t_end)):
             _await_ack(comm, MPI, leader, t_end)
         return out
 
@@ -184,14 +183,14 @@ def gather(comm: Any, produce: Callable[[bytes | None], Iterable[bytes]], receiv
         assert receiver is not None
         relay = _Root(out, receiver, size, group_size)
 
-        def deliver(kind: int, src: int, body: bytes) -> bool:
-            relay.take(kind, src, body)
+        def deliver(env: bytes) -> bool:
+            relay.take(*_open(env))  # type: ignore[misc]  (an envelope made or checked here)
             return True
     else:
-        def deliver(kind: int, src: int, body: bytes) -> bool:
-            return _send(comm, MPI, _envelope(kind, src, body), 0, TAG_FRAME, t_end)
+        def deliver(env: bytes) -> bool:  # a leader forwards each envelope as it came: it names its rank
+            return _send(comm, MPI, env, 0, TAG_FRAME, t_end)
 
-    if not _own_stream(produce, word, lambda kind, body: deliver(kind, rank, body)):
+    if not _own_stream(produce, word, rank, deliver):
         return out  # the root is gone or silent: nobody to relay to
     ended = _relay_members(comm, MPI, members, leader, deliver, t_members,
                            relay if rank == 0 else None, t_leaders)
@@ -262,7 +261,7 @@ class _Root:
         self.pending.clear()
 
 
-def _relay_members(comm: Any, MPI: Any, members: list[int], leader: int, deliver: Callable[[int, int, bytes], bool],
+def _relay_members(comm: Any, MPI: Any, members: list[int], leader: int, deliver: Callable[[bytes], bool],
                    t_members: float, root: _Root | None, t_leaders: float) -> list[int] | None:
     """Relay each member's messages with ``deliver`` as they come, until every member's stream ended or the
     deadline; on the root, take the other leaders' messages in the same loop. Returns the members whose
@@ -276,11 +275,10 @@ def _relay_members(comm: Any, MPI: Any, members: list[int], leader: int, deliver
             src, data = got
             opened = _open(data)
             if opened is not None and src in pending and opened[1] == src and opened[0] in (MESSAGE, END):
-                kind, _, body = opened
                 started.add(src)
-                if not deliver(kind, src, body):
+                if not deliver(data):
                     return None
-                if kind == END:
+                if opened[0] == END:
                     pending.discard(src)
                     ended.append(src)
         if root is not None and root.pending and (got := _receive(comm, MPI, status, MPI.ANY_SOURCE,
@@ -294,7 +292,7 @@ def _relay_members(comm: Any, MPI: Any, members: list[int], leader: int, deliver
             for r in sorted(pending):
                 state = (f"its stream stopped part-way (relayed by its group leader, MPI rank {leader})"
                          if r in started else f"sent nothing to its group leader (MPI rank {leader})")
-                if not deliver(MISSING, r, f"{state} within the deadline".encode()):
+                if not deliver(_envelope(MISSING, r, f"{state} within the deadline".encode())):
                     return None
             pending.clear()
         if root is not None and root.pending and now >= t_leaders:
