@@ -211,6 +211,9 @@ def test_local_runs_on_each_node_fill_one_bundle_and_the_last_one_finishes_it(de
     assert json.loads((job / "megatrace-8" / "collection.json").read_text())["nodes"]["missing"] == []
     assert json.loads((job / "megatrace-8" / "findings.json").read_text())["findings"][0]["subject"]["rank"] \
         == HUNG_RANK
+    # no node's run saw every ring: none wrote a tails pack (a quick load reads rings/), and none said it failed to
+    assert not (job / "megatrace-8" / "tails.pack").exists() and final["transfer"]["tails_packed"] == 0
+    assert not any("tails.pack" in p for p in final["problems"]), final["problems"]
     again = collect_local(CollectOptions(job_dir=str(job), job_id="8", ring_dir=str(base / "n1"), node="n1",
                                          system=False, stacks=False, expected_nodes=NODES, analyse=analyze_bundle))
     assert "nodes" not in again  # finished once; a late duplicate epilog adds nothing
@@ -261,6 +264,17 @@ def test_eight_nodes_in_uneven_leader_groups_all_arrive(transfer: str, tmp_path:
         assert moved["bytes_through_root"] > 0, moved
     facts = json.loads((job / "megatrace-s" / "nodes" / "m5.json").read_text())
     assert facts["transfer"]["placed"] == (2 if transfer == "auto" else 0), facts["transfer"]
+    # The gather carried every ring's tail and meta file: the root wrote them into one tails.pack, which a quick
+    # load reads instead of the 16 files, and finds the very records the files hold.
+    assert moved["tails_packed"] == 16, moved
+    from megatrace.load.directory import QUICK_TAIL, load_trace
+
+    bundle = job / "megatrace-s"
+    packed = load_trace(bundle, tail=QUICK_TAIL)
+    (bundle / "tails.pack").unlink()
+    from_files = load_trace(bundle, tail=QUICK_TAIL)
+    assert packed.records.seq.tolist() == from_files.records.seq.tolist() and len(packed.records.seq) == 160
+    assert packed.rank_info == from_files.rank_info and packed.groups == from_files.groups
 
 
 def test_a_local_collection_of_rings_claiming_two_billion_ranks_still_writes_collection_json(tmp_path: Path) -> None:
@@ -332,8 +346,10 @@ def test_a_leader_wedged_part_way_through_its_stream_is_named_and_leaves_no_part
     stopped = None
     try:
         wedged = wait_for(lambda: _collector_pid("n3"), 60, step=0.05, awaited="n3's collector to start")
-        wait_for(lambda: (bundle / "rings" / "rank-00002.ring.1").exists(), 60, step=0.01,
-                 awaited="the root to write the first bytes of n3's first large file")
+        # (the root writes a streamed file under a hidden name, and gives it its own once whole)
+        wait_for(lambda: any(p.name.startswith(".incoming.") and p.name.endswith(".rank-00002.ring.1")
+                             for p in (bundle / "rings").iterdir()) if (bundle / "rings").exists() else False,
+                 60, step=0.01, awaited="the root to write the first bytes of n3's first large file")
         os.kill(wedged, signal.SIGSTOP)
         stopped = wedged
         wait_for(lambda: (bundle / "collection.json").exists(), 60, step=0.1,

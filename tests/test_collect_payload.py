@@ -15,7 +15,7 @@ from megatrace.collect import payload
 from megatrace.collect.bundle import GATHER_MARK, BundleWriter, place_files
 from megatrace.collect.node import NodeSnapshot, snapshot_node
 from megatrace.collect.payload import (PayloadError, header_of, messages, pack_chunk, pack_header, unpack_chunk,
-                                       unpack_header)
+                                       unpack_end, unpack_header)
 from megatrace.collect.run import _BundleReceiver
 
 
@@ -29,7 +29,7 @@ def _snap(tmp_path: Path, node: str = "nodeA", ring_bytes: int = 5_000_001) -> N
 
 
 def _stream(snap: NodeSnapshot, writer: BundleWriter, rank: int, upto: int | None = None,
-            placed: dict[str, str] | None = None) -> list[bytes]:
+            placed: dict[str, payload.FileEntry] | None = None) -> list[bytes]:
     msgs = list(messages(snap, header_of(snap, placed)))
     receiver = _BundleReceiver(writer)
     for m in msgs[:upto]:
@@ -47,15 +47,17 @@ def test_a_node_stream_is_a_header_then_bounded_chunks_and_arrives_byte_for_byte
     snap = _snap(tmp_path)
     assert set(snap.files) == {"rank-00000.ring", "rank-00000.meta.jsonl"}
     head = unpack_header(pack_header(header_of(snap)))
-    assert [f.name for f in head.files] == ["rank-00000.meta.jsonl", "rank-00000.ring"]
-    assert head.files[1].sha256 == hashlib.sha256(snap.files["rank-00000.ring"]).hexdigest()
+    assert [(f.name, f.size) for f in head.files] == [("rank-00000.meta.jsonl", 19), ("rank-00000.ring", 5_000_001)]
     writer = BundleWriter(tmp_path / "bundle", "j")
     msgs = _stream(snap, writer, 3)
-    assert len(msgs) == 1 + 1 + 5
+    # the header; each file's chunks, then its end; the meta file's tail (random bytes are no ring: no tail)
+    assert len(msgs) == 1 + (1 + 1 + 1) + (5 + 1)
+    # the file's digest comes at its end (the node reads each file once, a chunk at a time)
+    assert unpack_end(msgs[-1]) == (1, 5_000_001, hashlib.sha256(snap.files["rank-00000.ring"].read()).hexdigest())
     assert max(len(m) for m in msgs[1:]) <= (1 << 20) + 1024  # random bytes do not compress
     doc = writer.finish(analysis="none")
-    for name, data in snap.files.items():
-        assert (tmp_path / "bundle" / "rings" / name).read_bytes() == data
+    for name, f in snap.files.items():
+        assert (tmp_path / "bundle" / "rings" / name).read_bytes() == f.read()
     assert sorted(f["name"] for f in doc["files"]) == ["rings/rank-00000.meta.jsonl", "rings/rank-00000.ring"]
     assert doc["nodes"]["collected"] == ["nodeA"], doc
     assert [p for p in doc["problems"] if "not a MegaTrace ring" not in p] == []  # (random bytes: described)
@@ -65,7 +67,7 @@ def test_a_stream_cut_part_way_leaves_no_partial_ring_and_names_the_node(tmp_pat
     monkeypatch.setattr(payload, "CHUNK_BYTES", 1 << 20)
     snap = _snap(tmp_path)
     writer = BundleWriter(tmp_path / "bundle", "j")
-    _stream(snap, writer, 3, upto=4)  # the header, the meta file, two of five chunks of the ring
+    _stream(snap, writer, 3, upto=6)  # the header, the meta file (its end and tail), two of five chunks of the ring
     doc = writer.finish(analysis="none")
     assert (tmp_path / "bundle" / "rings" / "rank-00000.meta.jsonl").exists()
     assert not (tmp_path / "bundle" / "rings" / "rank-00000.ring").exists()
@@ -81,16 +83,16 @@ def test_chunks_out_of_order_or_altered_are_refused(tmp_path: Path, monkeypatch)
     msgs = list(messages(snap, header_of(snap)))
     writer = BundleWriter(tmp_path / "bundle", "j")
     receiver = _BundleReceiver(writer)
-    for m in [msgs[0], msgs[1], msgs[3], msgs[2]]:  # the ring's second chunk before its first
+    for m in msgs[:4] + [msgs[5], msgs[4]] + msgs[6:]:  # the ring's second chunk before its first
         receiver.message(5, m)
     receiver.end(5)
-    index, offset, data = unpack_chunk(msgs[2])
+    index, offset, data = unpack_chunk(msgs[4])
     altered = pack_chunk(index, offset, bytes([data[0] ^ 1]) + data[1:])
     other = NodeSnapshot("nodeB", dict(snap.files), snap.facts)
     msgs_b = list(messages(other, header_of(other)))
     writer2 = BundleWriter(tmp_path / "bundle2", "j")
     receiver2 = _BundleReceiver(writer2)
-    for m in msgs_b[:2] + [altered] + msgs_b[3:]:
+    for m in msgs_b[:4] + [altered] + msgs_b[5:]:
         receiver2.message(6, m)
     receiver2.end(6)
     for w, what in ((writer, "bytes at 1048576 where 0 were expected"),
@@ -128,13 +130,15 @@ def test_a_node_that_sees_the_roots_bundle_writes_its_own_files_and_streams_only
     snap = _snap(tmp_path)
     writer = _shared_bundle(tmp_path)
     placed, why = place_files(snap, str(writer.path), "n0nce", None)
-    assert why is None and placed == {n: f"rings/{n}" for n in snap.files}
+    assert why is None and {n: e.placed for n, e in placed.items()} == {n: f"rings/{n}" for n in snap.files}
+    assert placed["rank-00000.ring"].sha256 == hashlib.sha256(snap.files["rank-00000.ring"].read()).hexdigest()
     msgs = _stream(snap, writer, 2, placed=placed)
-    assert len(msgs) == 1  # the header alone
+    assert len(msgs) == 2  # the header, and the meta file's tail (random bytes are no ring: no tail)
     doc = writer.finish(analysis="none")
     assert doc["transfer"]["files_written_by_nodes"] == 2 and doc["transfer"]["files_written_by_root"] == 0
-    for name, data in snap.files.items():
-        assert (writer.path / "rings" / name).read_bytes() == data
+    assert doc["transfer"]["tails_packed"] == 1
+    for name, f in snap.files.items():
+        assert (writer.path / "rings" / name).read_bytes() == f.read()
 
 
 def test_a_node_never_writes_into_a_directory_that_is_not_the_roots(tmp_path: Path) -> None:
@@ -159,12 +163,12 @@ def test_a_file_planted_under_a_rings_name_is_not_taken_for_the_nodes(tmp_path: 
     writer = _shared_bundle(tmp_path)
     (writer.path / "rings" / "rank-00000.ring").write_bytes(b"planted")
     placed, why = place_files(snap, str(writer.path), "n0nce", None)
-    assert why is None and placed == {"rank-00000.meta.jsonl": "rings/rank-00000.meta.jsonl"}
+    assert why is None and list(placed) == ["rank-00000.meta.jsonl"]
     assert (writer.path / "rings" / "rank-00000.ring").read_bytes() == b"planted"  # untouched; the bytes stream
     _stream(snap, writer, 2, placed=placed)
     doc = writer.finish(analysis="none")
     clash = writer.path / "nodes" / "nodeA" / "rank-00000.ring"
-    assert clash.read_bytes() == snap.files["rank-00000.ring"]
+    assert clash.read_bytes() == snap.files["rank-00000.ring"].read()
     assert any("more than one node with different content" in p for p in doc["problems"]), doc["problems"]
 
 
@@ -180,3 +184,36 @@ def test_a_file_a_node_left_part_written_is_hidden_from_the_analysis_and_named(t
     doc = writer.finish(analysis="none")
     assert any("left part-written" in p and ".incoming.n0nce.nodeB.rank-00001.ring" in p for p in doc["problems"])
     assert all(not f["name"].startswith("rings/.") for f in doc["files"])
+
+
+def test_no_side_holds_a_whole_ring_whatever_its_size(tmp_path: Path, monkeypatch) -> None:
+    """Issue 26: a node read each trace file whole before writing or sending it (8 rings of 1 M records: 512 MiB,
+    past the 1 GiB target beyond ~1.5 M). Now a file is read, hashed, written and sent a chunk at a time."""
+    import tracemalloc
+
+    from megatrace.collect import node as node_mod
+
+    monkeypatch.setattr(payload, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(node_mod, "READ_BYTES", 1 << 20)
+    ring = 48 << 20
+    snap = _snap(tmp_path, ring_bytes=ring)
+    writer = _shared_bundle(tmp_path)
+    tracemalloc.start()
+    try:
+        placed, _ = place_files(snap, str(writer.path), "n0nce", None)  # the node writes it into the bundle
+        placing = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        other = BundleWriter(tmp_path / "streamed", "j")
+        receiver = _BundleReceiver(other)
+        for m in messages(snap, header_of(snap)):  # or streams it to the root, which writes it as it comes
+            receiver.message(4, m)
+        receiver.end(4)
+        streaming = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert list(placed) == ["rank-00000.meta.jsonl", "rank-00000.ring"]
+    assert placing < ring // 8 and streaming < ring // 8, (placing, streaming)
+    digest = hashlib.sha256(snap.files["rank-00000.ring"].read()).hexdigest()
+    assert placed["rank-00000.ring"].sha256 == digest
+    doc = other.finish(analysis="none")
+    assert [f["sha256"] for f in doc["files"] if f["name"] == "rings/rank-00000.ring"] == [digest]

@@ -7,6 +7,8 @@ goes to ``megatrace-<job>.1``, ``.2``, ...)::
     rings/rank-N.ring     the ring files exactly as they were on the nodes (and rank-N.meta.jsonl, earlier
                           attempts rank-N.ring.K); a name two nodes both hold goes to nodes/<node>/ instead
     nodes/<node>.json     the node's facts: ring headers, /proc states of the ranks, GPUs, kernel log, stacks
+    tails.pack            each ring's header and newest records, and each meta file: what a quick load reads
+                          (megatrace.trace.tail_pack)
     procs.json            per rank: pid, node, process state (read by the analysis); "stalled" on a hang
     findings.json         the analysis (megatrace analyze); summary.txt its text; report.html if available
                           (megatrace.pipeline runs them once the bundle is written)
@@ -25,8 +27,9 @@ from typing import Any, Callable
 
 from megatrace.collect import safefs
 from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot, main_thread_frames
-from megatrace.collect.payload import NodeHeader, header_of
+from megatrace.collect.payload import FileEntry, NodeHeader, header_of, streamed_pieces
 from megatrace.names import job_dir_name, safe_name
+from megatrace.trace import tail_pack
 
 FORMAT_VERSION = 1
 ANALYSIS_MODES = ("auto", "full", "quick", "none")
@@ -86,23 +89,85 @@ class NodeEntry:
 
 @dataclass
 class _Target:
-    """Where a streamed file of a node is written, and what arrived of it."""
+    """A streamed file of a node: written under a hidden name in rings/ as its chunks come, put in its place
+    (or dropped, or put aside) at its end, once its size and sha256 are known."""
 
-    dir: safefs.OutDir
     name: str
-    where: str  # bundle-relative
-    digest: str  # the sha256 its node announced
+    partial: str  # its hidden name in rings/ while it arrives
+    size: int  # the most bytes it may have (announced in the header)
     written: int = 0
     sha: Any = field(default_factory=hashlib.sha256)
+    ended: bool = False
     failed: str | None = None  # why its bytes stopped being written (the node's other files go on)
+
+    @property
+    def whole(self) -> bool:
+        return self.ended and not self.failed
 
 
 @dataclass
 class _Incoming:
     head: NodeHeader
     entry: NodeEntry
-    targets: dict[int, _Target]  # file index -> where its chunks go (absent: rings/ holds it already)
+    targets: dict[int, _Target]  # file index -> its streamed file (absent: the node wrote it into rings/ itself)
     failed: str | None = None  # why the rest of its stream is dropped (a chunk the header did not announce)
+
+
+class _PackWriter:
+    """The bundle's tails pack, written as the tails arrive (the root holds at most a MiB of it)."""
+
+    FLUSH_BYTES = 1 << 20
+
+    def __init__(self, out: safefs.OutDir, enabled: bool = True) -> None:
+        self.out = out
+        self.enabled = enabled
+        self.fd = -1
+        self.buffer = bytearray()
+        self.names: set[str] = set()
+        self.failed: str | None = None
+
+    def add(self, name: str, size: int, entry: bytes) -> None:
+        """Add the entry of file ``name`` (``size`` bytes) unless it is not one, or the pack holds that name."""
+        if not self.enabled or name in self.names or self.failed or not _pack_entry_of(entry, name, size):
+            return
+        self.names.add(name)
+        self.buffer += entry
+        if len(self.buffer) >= self.FLUSH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            if self.fd < 0:
+                self.out.unlink(tail_pack.PACK_NAME)  # (a collection that stopped before in this directory)
+                self.fd = self.out.create(tail_pack.PACK_NAME)
+                os.write(self.fd, tail_pack.MAGIC)
+            view = memoryview(self.buffer)
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            self.failed = f"{tail_pack.PACK_NAME} not written: {exc.strerror or exc}"
+        self.buffer = bytearray()
+
+    def close(self, problems: list[str]) -> None:
+        """Write what is left; the pack's time is then the moment it was known to describe rings/."""
+        if self.buffer:
+            self._flush()
+        if self.fd >= 0:
+            try:
+                os.utime(self.fd)
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = -1
+        if self.failed:
+            problems.append(self.failed)
+            self.failed = None
+
+
+def _pack_entry_of(entry: bytes, name: str, size: int) -> bool:
+    """Whether ``entry`` is one whole tails-pack entry of file ``name`` of ``size`` bytes, of a tail's size."""
+    got = tail_pack.single_entry(entry) if len(entry) <= tail_pack.entry_limit(name) else None
+    return got is not None and got[0] == name and got[1].size == size
 
 
 @dataclass
@@ -113,6 +178,7 @@ class BundleWriter:
     job_id: str
     owner: tuple[int, int] | None = None
     exclusive: bool = False  # the directory must be new (see bundle_path's ``fresh``)
+    packing: bool = True  # write tails.pack (not when several --local runs share the bundle)
     started_wall_ns: int = field(default_factory=time.time_ns)
 
     def __post_init__(self) -> None:
@@ -130,6 +196,7 @@ class BundleWriter:
         self._incoming: dict[int, _Incoming] = {}  # nodes whose stream is being written, by key (MPI rank)
         self._extra: dict[str, safefs.OutDir] = {}  # nodes/<node>/ directories opened for name clashes
         self.placed = [0, 0]  # files and bytes the nodes wrote into rings/ themselves
+        self.pack = _PackWriter(self.out, self.packing)  # tails.pack: the tails of the rings in rings/ (trace/tail_pack.py)
         self.transfer: dict[str, Any] = {}  # how the gather moved them (set by the collector)
 
     # -- arrival ------------------------------------------------------------
@@ -137,18 +204,24 @@ class BundleWriter:
         self.missing.append({"mpi_rank": info.get("mpi_rank"), "reason": info.get("reason", "did not report")})
 
     def add_node(self, snap: NodeSnapshot, mpi_rank: int | None = None) -> None:
-        """Write one node's files and facts from its snapshot; never raises for the node's content."""
+        """Write one node's files (read a chunk at a time) and facts from its snapshot; never raises for the
+        node's content."""
         head = header_of(snap)
         key = -1 if mpi_rank is None else mpi_rank
         if not self.begin_node(head, key, mpi_rank):
             return
-        for index, entry in head.streamed:
-            self.add_chunk(key, index, 0, snap.files[entry.name])
+        for index, at, data, digest in streamed_pieces(snap, head):
+            if data is not None:
+                self.add_chunk(key, index, at, data)
+                continue
+            self.end_file(key, index, at, digest.hex())
+            if (entry := snap.files[head.files[index].name].tail_entry) is not None:
+                self.add_tail(key, index, entry)
         self.end_node(key)
 
     def begin_node(self, head: NodeHeader, key: int, mpi_rank: int | None = None) -> bool:
-        """A node's header: its facts, the files it wrote into the bundle itself, and where the bytes of
-        the others (its chunks, :meth:`add_chunk`, under ``key``) go. False for a node heard twice."""
+        """A node's header: its facts, the files it wrote into the bundle itself, and the files whose chunks
+        (:meth:`add_chunk`, :meth:`end_file`, under ``key``) follow. False for a node heard twice."""
         if any(e.node == head.node for e in self.entries):
             self.problems.append(f"node {head.node} reported twice (MPI rank {mpi_rank}); the second copy was "
                                  "ignored (more than one collector task on that node?)")
@@ -157,20 +230,20 @@ class BundleWriter:
         self.entries.append(entry)
         targets: dict[int, _Target] = {}
         for index, f in enumerate(head.files):
-            if f.placed is not None:  # written by the node itself (O_EXCL), its digest taken as it wrote
-                known = self._sha.get(f.name)
-                if known is None:
-                    self._sha[f.name] = f.sha256
-                    self.placed[0] += 1
-                    self.placed[1] += f.size
-                    self.files.append({"name": f.placed, "node": head.node, "bytes": f.size, "sha256": f.sha256})
-                elif known != f.sha256:
-                    self.problems.append(f"{f.placed}: node {head.node} wrote it, but another node's copy of "
-                                         "that name differs")
-                continue  # (the same bytes as a copy listed already: a trace directory two nodes share)
-            target = self._target(head.node, f.name, f.sha256)
-            if target is not None:
-                targets[index] = target
+            if f.placed is None:
+                targets[index] = _Target(f.name, f"{INCOMING_PREFIX}root.{key}.{f.name}", f.size)
+                continue
+            # written by the node itself (O_EXCL), its digest taken as it wrote
+            known = self._sha.get(f.name)
+            if known is None:
+                self._sha[f.name] = f.sha256  # type: ignore[assignment]  (a placed file has its digest)
+                self.placed[0] += 1
+                self.placed[1] += f.size
+                self.files.append({"name": f.placed, "node": head.node, "bytes": f.size, "sha256": f.sha256})
+            elif known != f.sha256:
+                self.problems.append(f"{f.placed}: node {head.node} wrote it, but another node's copy of "
+                                     "that name differs")
+            # (else the same bytes as a copy listed already: a trace directory two nodes share)
         self._incoming[key] = _Incoming(head, entry, targets)
         self._add_facts(head.node, dict(head.facts))
         try:
@@ -180,49 +253,94 @@ class BundleWriter:
             self.problems.append(f"cannot write facts of node {head.node}: {exc.strerror or exc}")
         return True
 
-    def _target(self, node: str, name: str, digest: str) -> "_Target | None":
-        """Where the file ``name`` of ``node`` goes: rings/, nodes/<node>/ when rings/ holds another file of that
-        name, or nowhere (None) when rings/ holds the very same bytes (a trace directory two nodes share)."""
-        try:
-            if name not in self._sha and self.rings.exists(name):  # written by another node's --local run
-                self._sha[name] = hashlib.sha256(safefs.read_file(self.rings.fd, name, RING_LIMIT)).hexdigest()
-        except OSError as exc:
-            self.problems.append(f"cannot read rings/{name}: {exc.strerror or exc}")
+    def _streamed(self, key: int, index: int) -> "_Target | None":
+        """The streamed file ``index`` of the node under ``key``, while its bytes are still wanted."""
+        inc = self._incoming.get(key)
+        if inc is None or inc.failed:
             return None
-        if name not in self._sha:
-            self._sha[name] = digest
-            return _Target(self.rings, name, f"rings/{name}", digest)
-        if self._sha[name] == digest:
-            return None
-        if node not in self._extra:
-            self._extra[node] = self.nodes.subdir(safe_name(node))
-        extra = self._extra[node]
-        where = f"nodes/{safe_name(node)}/{name}"
-        self.problems.append(f"{name} exists on more than one node with different content; the copy of node "
-                             f"{node} is in {where}")
-        return _Target(extra, name, where, digest)
+        target = inc.targets.get(index)
+        if target is None:
+            inc.failed = f"bytes of file {index}, which it does not stream"
+        elif target.ended:
+            inc.failed = f"bytes of {target.name} after its end"
+        return None if inc.failed or target is None or target.failed else target
 
     def add_chunk(self, key: int, index: int, offset: int, data: bytes | memoryview) -> None:
         """Bytes of file ``index`` of the node streaming under ``key``, at ``offset`` (in order)."""
-        inc = self._incoming.get(key)
-        if inc is None or inc.failed:
+        target = self._streamed(key, index)
+        if target is None:
             return
-        target = inc.targets.get(index)
-        if index >= len(inc.head.files) or inc.head.files[index].placed is not None:
-            inc.failed = f"a chunk of file {index}, which it does not stream"
-            return
-        if target is None or target.failed:
-            return  # a copy rings/ already holds, or a file that failed already
-        if offset != target.written or target.written + len(data) > inc.head.files[index].size:
+        if offset != target.written or target.written + len(data) > target.size:
             target.failed = f"{target.name}: bytes at {offset} where {target.written} were expected"
             return
         try:
-            target.dir.append(target.name, data, new=target.written == 0)
+            self.rings.append(target.partial, data, new=target.written == 0)
         except OSError as exc:
-            target.failed = f"cannot write {target.where}: {exc.strerror or exc}"
+            target.failed = f"cannot write rings/{target.name}: {exc.strerror or exc}"
             return
         target.sha.update(data)
         target.written += len(data)
+
+    def end_file(self, key: int, index: int, size: int, sha256: str) -> None:
+        """The end of file ``index`` of the node under ``key``: its size and sha256 as its node read it. A
+        whole file goes to rings/ (or, when rings/ holds other bytes of that name, to nodes/<node>/)."""
+        target = self._streamed(key, index)
+        if target is None:
+            return
+        target.ended = True
+        if size != target.written or sha256 != target.sha.hexdigest():
+            target.failed = f"{target.name}: its bytes did not match the size and sha256 it announced"
+            return
+        try:
+            if target.written == 0:
+                self.rings.append(target.partial, b"", new=True)
+            where = self._settle(self._incoming[key].head.node, target.name, target.partial, sha256)
+        except OSError as exc:
+            target.failed = f"cannot write rings/{target.name}: {exc.strerror or exc}"
+            return
+        if where is not None:
+            self.files.append({"name": where, "node": self._incoming[key].head.node, "bytes": size,
+                               "sha256": sha256})
+
+    def _settle(self, node: str, name: str, partial: str, digest: str) -> str | None:
+        """Link the whole file ``partial`` of ``node`` to its own name: rings/<name>, or nodes/<node>/<name> when
+        rings/ holds other bytes of that name; None when rings/ holds the very same bytes (a trace directory
+        two nodes share). Never replaces a file; ``partial`` is removed."""
+        try:
+            if name not in self._sha:
+                try:
+                    os.link(partial, name, src_dir_fd=self.rings.fd, dst_dir_fd=self.rings.fd,
+                            follow_symlinks=False)
+                    self._sha[name] = digest
+                    return f"rings/{name}"
+                except FileExistsError:  # written by a node itself, or by another node's --local run
+                    try:
+                        self._sha[name] = safefs.sha256_file(self.rings.fd, name, RING_LIMIT)[1]
+                    except OSError:  # not a file we can read (a link, a FIFO): set aside below
+                        self._sha[name] = ""
+            if self._sha[name] == digest:
+                return None
+            if node not in self._extra:
+                self._extra[node] = self.nodes.subdir(safe_name(node))
+            where = f"nodes/{safe_name(node)}/{name}"
+            os.link(partial, name, src_dir_fd=self.rings.fd, dst_dir_fd=self._extra[node].fd, follow_symlinks=False)
+            self.problems.append(f"{name} exists on more than one node with different content; the copy of node "
+                                 f"{node} is in {where}")
+            return where
+        finally:
+            self.rings.unlink(partial)
+
+    def add_tail(self, key: int, index: int, entry: bytes) -> None:
+        """The tails-pack entry of file ``index`` of the node under ``key``: packed when that very file (its
+        sha256) is the one in rings/ and the pack holds none of that name yet; else dropped."""
+        inc = self._incoming.get(key)
+        if inc is None or index >= len(inc.head.files):
+            return
+        f = inc.head.files[index]
+        target = inc.targets.get(index)
+        digest = f.sha256 if f.placed is not None else (target.sha.hexdigest() if target and target.whole else None)
+        if digest is not None and self._sha.get(f.name) == digest:
+            self.pack.add(f.name, f.size if target is None else target.written, entry)
 
     def end_node(self, key: int, reason: str | None = None) -> None:
         """The node's stream is over: whole, or cut for ``reason``. A file that did not arrive whole is removed
@@ -231,26 +349,14 @@ class BundleWriter:
         if inc is None:
             return
         cut, whys = [], []
-        for index, t in sorted(inc.targets.items()):
-            f = inc.head.files[index]
-            if t.written == f.size and t.sha.hexdigest() == f.sha256 and not t.failed:
-                if f.size == 0:  # (no chunk: the header said it all)
-                    try:
-                        t.dir.append(t.name, b"", new=True)
-                    except OSError as exc:
-                        self.problems.append(f"cannot write {t.where}: {exc.strerror or exc}")
-                        continue
-                self.files.append({"name": t.where, "node": inc.head.node, "bytes": f.size, "sha256": f.sha256})
+        for t in inc.targets.values():
+            if t.ended and not t.failed:
                 continue
-            cut.append(t.where)
+            cut.append(f"rings/{t.name}")
             whys.append(t.failed or inc.failed or reason)
-            if t.written:
-                t.dir.unlink(t.name)
-            if self._sha.get(t.name) == t.digest and t.dir is self.rings:
-                del self._sha[t.name]
+            self.rings.unlink(t.partial)
         if cut:
-            detail = "; ".join(dict.fromkeys(w for w in whys if w)) or \
-                "its bytes did not match the size and sha256 it announced"
+            detail = "; ".join(dict.fromkeys(w for w in whys if w)) or "its stream ended before the file did"
             self.problems.append(f"node {inc.head.node}: {len(cut)} file(s) did not arrive whole ({detail}): "
                                  + ", ".join(cut[:8]) + (" ..." if len(cut) > 8 else ""))
             if inc.entry.error is None:
@@ -275,12 +381,10 @@ class BundleWriter:
         for name in safefs.list_dir(self.rings.fd):
             if TRACE_FILE_RE.match(name) and name not in self._sha:
                 try:
-                    data = safefs.read_file(self.rings.fd, name, RING_LIMIT)
+                    size, self._sha[name] = safefs.sha256_file(self.rings.fd, name, RING_LIMIT)
                 except OSError:
                     continue
-                self._sha[name] = hashlib.sha256(data).hexdigest()
-                self.files.append({"name": f"rings/{name}", "node": None, "bytes": len(data),
-                                   "sha256": self._sha[name]})
+                self.files.append({"name": f"rings/{name}", "node": None, "bytes": size, "sha256": self._sha[name]})
 
     def _add_facts(self, node: str, facts: dict[str, Any]) -> None:
         for ring in facts.get("rings", []):
@@ -313,6 +417,7 @@ class BundleWriter:
 
     def close(self) -> None:
         """Leave without finishing (another node's --local run finishes the bundle)."""
+        self.pack.close(self.problems)
         for d in (*self._extra.values(), self.rings, self.nodes, self.out):
             d.give_away()
             d.close()
@@ -348,7 +453,8 @@ class BundleWriter:
                                                       if p.get("in_init_process_group"))},
             "mpi_ranks_missing": self.missing,
             "problems": self.problems,
-            "transfer": {**self.transfer, "files_written_by_nodes": self.placed[0],
+            "transfer": {**self.transfer, "tails_packed": len(self.pack.names),
+                         "files_written_by_nodes": self.placed[0],
                          "bytes_written_by_nodes": self.placed[1],
                          "files_written_by_root": len(self.files) - self.placed[0]},
             "files": self.files,
@@ -380,6 +486,7 @@ class BundleWriter:
         if left:
             self.problems.append(f"{len(left)} file(s) in rings/ left part-written by a node that stopped while "
                                  "writing them (not trace files to the analysis): " + ", ".join(sorted(left)[:8]))
+        self.pack.close(self.problems)  # (before the analysis, which reads it)
         doc = self.summary(trigger, detail, expected_nodes)
         if analysis == "none" or not self._sha:
             doc["analysis"] = {"ran": False, "reason": "disabled" if analysis == "none" else
@@ -406,13 +513,14 @@ class BundleWriter:
         return out
 
 
-def place_files(snap: NodeSnapshot, bundle: str, nonce: str, owner: tuple[int, int] | None) -> tuple[dict[str, str],
-                                                                                                        str | None]:
+def place_files(snap: NodeSnapshot, bundle: str, nonce: str,
+                owner: tuple[int, int] | None) -> tuple[dict[str, FileEntry], str | None]:
     """Write ``snap``'s trace files into ``bundle``'s rings/ from this node, when this node sees the very
-    directory the root made (its ``.gather`` mark holds ``nonce``: a shared filesystem).
+    directory the root made (its ``.gather`` mark holds ``nonce``: a shared filesystem). Each file is read
+    once, a chunk at a time, and hashed as it is written.
 
-    Returns (file name -> bundle-relative path, for each file written or found there with the same bytes;
-    why nothing was placed, or None). A file not placed is left for the stream to the root.
+    Returns (file name -> its entry, for each file written or found there with the same bytes; why nothing
+    was placed, or None). A file not placed is left for the stream to the root.
     """
     try:
         dfd = safefs.open_dir(bundle)
@@ -424,29 +532,38 @@ def place_files(snap: NodeSnapshot, bundle: str, nonce: str, owner: tuple[int, i
         return {}, f"the bundle directory is not visible from this node ({exc.strerror or exc})"
     if not nonce or mark != nonce:
         return {}, "the bundle directory seen from this node is not the root's (another filesystem)"
-    placed: dict[str, str] = {}
+    placed: dict[str, FileEntry] = {}
     try:
         rings = safefs.OutDir(Path(bundle) / "rings", owner, create=False)
     except OSError as exc:
         return {}, f"rings/ of the bundle not writable from this node ({exc.strerror or exc})"
     with rings:
-        for name, data in sorted(snap.files.items()):
+        for name, f in sorted(snap.files.items()):
             # Written under a name no reader takes for a trace file, then linked to its own (no replace): a
             # node wedged or killed part-way leaves a hidden partial file, never a short ring for the analysis.
             partial = f"{INCOMING_PREFIX}{nonce[:8]}.{safe_name(snap.node)}.{name}"
+            digest, size, created = hashlib.sha256(), 0, False
             try:
-                rings.append(partial, data, new=True)
-            except OSError:  # (a full filesystem, a quota, a name taken): the root gets the bytes
-                if rings.exists(partial):
-                    rings.unlink(partial)
+                for data in f.chunks():
+                    rings.append(partial, data, new=not created)
+                    created = True
+                    digest.update(data)
+                    size += len(data)
+                if not created:
+                    rings.append(partial, b"", new=True)
+            except FileExistsError:  # (not ours to remove): the root gets the bytes
                 continue
+            except OSError:  # (a full filesystem, a quota): the root gets the bytes
+                rings.unlink(partial)
+                continue
+            entry = FileEntry(name, size, digest.hexdigest(), f"rings/{name}")
             try:
                 os.link(partial, name, src_dir_fd=rings.fd, dst_dir_fd=rings.fd, follow_symlinks=False)
-                placed[name] = f"rings/{name}"
+                placed[name] = entry
             except FileExistsError:  # another node's copy: the same bytes are that copy, others go to the root
                 try:
-                    if safefs.read_file(rings.fd, name, RING_LIMIT) == data:
-                        placed[name] = f"rings/{name}"
+                    if safefs.sha256_file(rings.fd, name, RING_LIMIT) == (size, entry.sha256):
+                        placed[name] = entry
                 except OSError:
                     pass
             except OSError:

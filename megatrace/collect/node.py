@@ -1,10 +1,11 @@
 """One node's share of a collection: its ring files, byte for byte, and facts about the node.
 
-:func:`snapshot_node` reads every ``rank-N.ring[.K]`` and ``rank-N.meta.jsonl[.K]``
+:func:`snapshot_node` opens every ``rank-N.ring[.K]`` and ``rank-N.meta.jsonl[.K]``
 of the node's trace directory (without following a user's symbolic links, see
-:mod:`megatrace.collect.safefs`), describes each ring from its header (a corrupt
-or truncated file is kept as it is and described, never fatal), and adds what
-the node can tell about the ranks' processes:
+:mod:`megatrace.collect.safefs`; the files are read later a chunk at a time, never
+whole), describes each ring from its header (a corrupt or truncated file is kept
+as it is and described, never fatal), and adds what the node can tell about the
+ranks' processes:
 
 * process state, kernel wait channel and command line from ``/proc/<pid>``, for
   the pid in each ring header (a pid that started after the ring was created is
@@ -16,6 +17,7 @@ the node can tell about the ranks' processes:
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +35,7 @@ from megatrace.collect import safefs
 from megatrace.names import node_name
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.init_marker import MAX_MARKER_BYTES, InitMarker, parse_marker
+from megatrace.trace.tail_pack import TailCapture, packed
 
 TRACE_FILE_RE = re.compile(r"^rank-(\d+)\.(ring|meta\.jsonl|init)(\.\d+)?$")  # .init: trace/init_marker.py
 RING_LIMIT = fmt.file_size(fmt.MAX_CAPACITY)  # the largest legal ring file
@@ -42,14 +46,66 @@ KMSG_PATTERN = re.compile(r"NVRM: Xid|Out of memory|oom-kill|hung_task|blocked f
 KMSG_MAX_LINES = 200
 
 
+READ_BYTES = 16 << 20  # a trace file is read, hashed, written and sent this much at a time, never whole
+
+
+@dataclass(eq=False)
+class TraceFile:
+    """One trace file of the node, held open (its identity fixed at the snapshot) and read a chunk at a time:
+    a node's memory does not grow with its rings."""
+
+    name: str
+    fd: int
+    size: int  # bytes at the snapshot; a file that grew since is read up to here
+    head: bytes  # its first bytes (a ring's header)
+    tail_entry: bytes | None = None  # its tails-pack entry, taken from the bytes of its last whole read
+
+    def chunks(self, size: int | None = None) -> Iterator[bytes]:
+        """The file's bytes, ``size`` (:data:`READ_BYTES`) at a time (fewer at the end, or when it shrank since
+        the snapshot). A whole read also leaves the file's tails-pack entry in :attr:`tail_entry`."""
+        size = size or READ_BYTES
+        capture = TailCapture(self.name, self.size) if packed(self.name) else None
+        offset = 0
+        while offset < self.size:
+            data = os.pread(self.fd, min(size, self.size - offset), offset)
+            if not data:
+                return
+            offset += len(data)
+            if capture is not None:
+                capture.feed(data)
+            yield data
+        self.tail_entry = capture.entry() if capture is not None else None
+
+    def read(self) -> bytes:
+        """All of it (small files: start markers, meta files)."""
+        return b"".join(self.chunks())
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 @dataclass
 class NodeSnapshot:
-    """What one node contributes: its trace files (name -> bytes) and facts (JSON-able)."""
+    """What one node contributes: its trace files (name -> open file) and facts (JSON-able).
+
+    The files stay open until :meth:`close` (or the ``with`` block ends)."""
 
     node: str
-    files: dict[str, bytes] = field(default_factory=dict)
+    files: dict[str, TraceFile] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # the trace directory itself could not be read
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def __enter__(self) -> "NodeSnapshot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def has_rings(path: str) -> bool:
@@ -103,13 +159,14 @@ def default_ring_dir(job_id: str | None = None) -> str | None:
     return found[0] if found else env
 
 
-def describe_ring(name: str, blob: bytes) -> dict[str, Any]:
-    """Header facts of one ring file's bytes; problems (corrupt, truncated) are described, never raised."""
+def describe_ring(name: str, head: bytes, size: int) -> dict[str, Any]:
+    """Header facts of one ring file from its first bytes and its size; problems (corrupt, truncated) are
+    described, never raised."""
     from megatrace.trace.ring_reader import RingFormatError, parse_header
 
-    out: dict[str, Any] = {"file": name, "bytes": len(blob)}
+    out: dict[str, Any] = {"file": name, "bytes": size}
     try:
-        header, problems = parse_header(name, blob[:fmt.HEADER_SIZE], len(blob))
+        header, problems = parse_header(name, head[:fmt.HEADER_SIZE], size)
     except RingFormatError as exc:
         out["error"] = str(exc)
         return out
@@ -119,19 +176,34 @@ def describe_ring(name: str, blob: bytes) -> dict[str, Any]:
                write_counter=header.write_counter, closed=header.closed_cleanly,
                anchor_mono_ns=header.anchor_mono_ns, anchor_wall_ns=header.anchor_wall_ns,
                problems=[str(p) for p in problems])
-    if len(blob) < expected:
-        out["problems"].append(f"{name}: truncated: {len(blob)} of {expected} bytes")
-    elif len(blob) > expected:
-        out["problems"].append(f"{name}: {len(blob) - expected} bytes longer than its capacity says")
+    if size < expected:
+        out["problems"].append(f"{name}: truncated: {size} of {expected} bytes")
+    elif size > expected:
+        out["problems"].append(f"{name}: {size - expected} bytes longer than its capacity says")
     return out
 
 
-def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[dict[str, bytes], list[dict[str, str]]]:
-    """(files, skipped): every trace file of ``ring_dir``; what could not be read is in ``skipped``.
+def open_trace_file(dir_fd: int, name: str, limit: int) -> TraceFile:
+    """Trace file ``name`` of ``dir_fd``, opened (no link of another user followed, regular files only) with its
+    first bytes read; larger than ``limit``: OSError EFBIG."""
+    fd = safefs.open_regular(dir_fd, name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise OSError(errno.EFBIG, f"{name}: {size} bytes, more than the limit of {limit}")
+        return TraceFile(name, fd, size, os.pread(fd, min(size, fmt.HEADER_SIZE), 0))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[dict[str, TraceFile],
+                                                                          list[dict[str, str]]]:
+    """(files, skipped): every trace file of ``ring_dir``, open; what could not be opened is in ``skipped``.
 
     ``owner``, when given, receives the uid that owns the directory: the user whose processes wrote it.
     """
-    files: dict[str, bytes] = {}
+    files: dict[str, TraceFile] = {}
     skipped: list[dict[str, str]] = []
     dfd = safefs.open_dir(ring_dir)
     try:
@@ -143,7 +215,7 @@ def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[dict[
                 continue
             limit = {"ring": RING_LIMIT, "init": MAX_MARKER_BYTES}.get(m.group(2), META_LIMIT)
             try:
-                files[name] = safefs.read_file(dfd, name, limit)
+                files[name] = open_trace_file(dfd, name, limit)
             except OSError as exc:
                 skipped.append({"name": name, "reason": exc.strerror or str(exc)})
     finally:
@@ -228,15 +300,18 @@ def process_facts(pid: int, ring_anchor_mono_ns: int | None = None, uid: int | N
     return out
 
 
-def init_markers(files: dict[str, bytes]) -> dict[int, InitMarker]:
+def init_markers(files: dict[str, TraceFile]) -> dict[int, InitMarker]:
     """rank -> the start marker of each rank with no ring among ``files`` (current attempts only)."""
     rings = {int(m.group(1)) for n in files if (m := TRACE_FILE_RE.match(n)) and m.group(2) == "ring"
              and not m.group(3)}
     out = {}
-    for name, blob in files.items():
+    for name, f in files.items():
         m = TRACE_FILE_RE.match(name)
         if m and m.group(2) == "init" and not m.group(3) and int(m.group(1)) not in rings:
-            mk = parse_marker(blob)
+            try:
+                mk = parse_marker(f.read())
+            except OSError:
+                continue
             if mk is not None and mk.rank == int(m.group(1)):
                 out[mk.rank] = mk
     return out
@@ -438,12 +513,23 @@ def python_stacks(pids: list[int], timeout: float = STACK_TIMEOUT_S) -> dict[str
 
 def snapshot_node(ring_dir: str | None, node: str | None = None, stacks: bool = True,
                   system: bool = True) -> NodeSnapshot:
-    """Read this node's trace files and facts. Never raises for bad input: problems go into the facts.
+    """Open this node's trace files and read its facts. Never raises for bad input: problems go into the facts.
 
+    The caller closes the snapshot (its files stay open, to be read a chunk at a time).
     ``system=False`` skips NVML and the kernel log (tests).
     """
     node = node or node_name()
     snap = NodeSnapshot(node)
+    try:
+        _fill_snapshot(snap, ring_dir, stacks, system)
+    except BaseException:
+        snap.close()
+        raise
+    return snap
+
+
+def _fill_snapshot(snap: NodeSnapshot, ring_dir: str | None, stacks: bool, system: bool) -> None:
+    node = snap.node
     facts: dict[str, Any] = {"node": node, "hostname": socket.gethostname(), "ring_dir": ring_dir,
                              "time_wall_ns": time.time_ns(), "time_mono_ns": time.monotonic_ns(),
                              "collector_pid": os.getpid(), "uid": os.geteuid()}
@@ -460,11 +546,12 @@ def snapshot_node(ring_dir: str | None, node: str | None = None, stacks: bool = 
             facts["ring_dir_uid"] = owner[0]
     if snap.error:
         facts["error"] = snap.error
-    rings = [describe_ring(name, blob) for name, blob in sorted(snap.files.items())
+    rings = [describe_ring(name, f.head, f.size) for name, f in sorted(snap.files.items())
              if TRACE_FILE_RE.match(name).group(2) == "ring"]  # type: ignore[union-attr]
     foreign = foreign_files({r["file"]: r["host"] for r in rings if "host" in r}, node)
     if foreign:
-        snap.files = {n: b for n, b in snap.files.items() if rank_prefix(n) not in foreign}
+        for n in [n for n in snap.files if rank_prefix(n) in foreign]:
+            snap.files.pop(n).close()
         rings = [r for r in rings if rank_prefix(r["file"]) not in foreign]
         facts["other_nodes_rings"] = len(foreign)  # in a trace directory shared with other nodes: theirs
     facts["rings"] = rings
@@ -494,4 +581,3 @@ def snapshot_node(ring_dir: str | None, node: str | None = None, stacks: bool = 
     live = [int(p) for p, f in procs.items() if f.get("alive")]
     if stacks and live:
         facts["python_stacks"] = python_stacks(live)
-    return snap

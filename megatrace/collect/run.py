@@ -31,7 +31,8 @@ from megatrace.collect import safefs
 from megatrace.collect.bundle import GATHER_MARK, LOCAL_MARK, Analyse, BundleWriter, bundle_path, place_files
 from megatrace.collect.gather import DEFAULT_GROUP_SIZE, DEFAULT_TIMEOUT_S, gather, release
 from megatrace.collect.node import NodeSnapshot, default_ring_dir, snapshot_node
-from megatrace.collect.payload import PayloadError, header_of, messages, unpack_chunk, unpack_header
+from megatrace.collect.payload import (FileEntry, PayloadError, header_of, is_end, is_tail, messages, unpack_chunk,
+                                       unpack_end, unpack_header, unpack_tail)
 from megatrace.errors import MegatraceError
 from megatrace.names import node_name
 
@@ -94,11 +95,12 @@ def collect_local(opts: CollectOptions) -> dict[str, Any]:
     """
     job_id = opts.resolved_job_id()
     out = Path(opts.out) if opts.out else bundle_path(opts.job_dir, job_id, local=True)
-    snap = _snapshot(opts)
-    writer = BundleWriter(out, job_id, _owner(opts.job_dir))
-    writer.claim(LOCAL_MARK)
-    writer.add_node(snap)
-    expected = opts.expected_nodes or [snap.node]
+    with _snapshot(opts) as snap:
+        expected = opts.expected_nodes or [snap.node]
+        # (several nodes' runs fill one bundle: none of them sees every ring, so none writes a tails pack)
+        writer = BundleWriter(out, job_id, _owner(opts.job_dir), packing=len(expected) <= 1)
+        writer.claim(LOCAL_MARK)
+        writer.add_node(snap)
     if len(expected) <= 1 or (writer.has_facts_of(expected) and writer.claim(".finishing")):
         writer.adopt()
         _add_layout(writer, opts)
@@ -154,7 +156,12 @@ class _BundleReceiver:
             return
         try:
             if rank in self.heard:
-                self.writer.add_chunk(rank, *unpack_chunk(data))
+                if is_end(data):
+                    self.writer.end_file(rank, *unpack_end(data))
+                elif is_tail(data):
+                    self.writer.add_tail(rank, *unpack_tail(data))
+                else:
+                    self.writer.add_chunk(rank, *unpack_chunk(data))
                 return
             head = unpack_header(data)
         except PayloadError as exc:
@@ -206,14 +213,15 @@ def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
             snap = _snapshot(opts)
         except Exception as exc:  # a node that cannot snapshot still reports why
             snap = NodeSnapshot(node, {}, {"node": node}, f"snapshot failed: {type(exc).__name__}: {exc}")
-        placed, why = _place(snap, word, opts)
-        head = header_of(snap, placed)  # (the digests of every file)
-        snap.facts["transfer"] = {"placed": len(placed), "streamed": len(snap.files) - len(placed),
-                                  "bytes": sum(len(b) for b in snap.files.values()),
-                                  "seconds": round(time.monotonic() - t0, 4),  # snapshot, own writes, digests
-                                  "cpu_seconds": round(time.process_time() - c0, 4)} | (
-            {"why_streamed": why} if why else {})
-        yield from messages(snap, head)
+        with snap:  # (its files are open until every byte is written or sent)
+            placed, why = _place(snap, word, opts)
+            head = header_of(snap, placed)
+            snap.facts["transfer"] = {"placed": len(placed), "streamed": len(snap.files) - len(placed),
+                                      "bytes": sum(f.size for f in snap.files.values()),
+                                      "seconds": round(time.monotonic() - t0, 4),  # snapshot, own writes
+                                      "cpu_seconds": round(time.process_time() - c0, 4)} | (
+                {"why_streamed": why} if why else {})
+            yield from messages(snap, head)
 
     receiver = _BundleReceiver(writer) if writer is not None else None
     outcome = gather(comm, produce, receiver, opts.group_size, opts.timeout, start, announce=word)
@@ -230,7 +238,8 @@ def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
     return release(comm, outcome)
 
 
-def _place(snap: NodeSnapshot, word: bytes | None, opts: CollectOptions) -> tuple[dict[str, str], str | None]:
+def _place(snap: NodeSnapshot, word: bytes | None, opts: CollectOptions) -> tuple[dict[str, FileEntry],
+                                                                                str | None]:
     """Write this node's files into the bundle itself when the root's word allows it and this node sees
     the bundle (a shared job directory); else every byte goes through the gather."""
     if word is None:

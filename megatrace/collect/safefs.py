@@ -16,13 +16,15 @@ given to owns it and others cannot write in it.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 from pathlib import Path
 
 from megatrace.files import UnsafePathError, open_dir, open_input, read_fd
 
-__all__ = ["OutDir", "UnsafePathError", "list_dir", "open_dir", "open_regular", "owner_of", "read_file"]
+__all__ = ["OutDir", "UnsafePathError", "list_dir", "open_dir", "open_regular", "owner_of", "read_file",
+           "sha256_file"]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
@@ -56,6 +58,22 @@ def read_file(dir_fd: int, name: str, limit: int) -> bytes:
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"{name}: {st.st_size} bytes, more than the limit of {limit}")
         return read_fd(fd, limit, name)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(dir_fd: int, name: str, limit: int) -> tuple[int, str]:
+    """(size, sha256) of regular file ``name`` in ``dir_fd`` (opened as by :func:`read_file`), read a chunk at a
+    time: never held whole."""
+    fd = open_regular(dir_fd, name)
+    try:
+        if os.fstat(fd).st_size > limit:
+            raise OSError(errno.EFBIG, f"{name}: more than the limit of {limit} bytes")
+        digest, size = hashlib.sha256(), 0
+        while chunk := os.read(fd, 1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+        return size, digest.hexdigest()
     finally:
         os.close(fd)
 
@@ -139,6 +157,12 @@ class OutDir:
         if replace:
             os.rename(target, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         return self.path / name
+
+    def create(self, name: str) -> int:
+        """A new file ``name`` (O_EXCL, never through a link), open for writing: the caller closes it."""
+        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=self.fd)
+        self._chown(fd)
+        return fd
 
     def append(self, name: str, data: bytes | memoryview, new: bool) -> None:
         """Write ``data`` at the end of file ``name``: a new file (O_EXCL) when ``new``, else one this

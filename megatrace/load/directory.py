@@ -38,6 +38,7 @@ from megatrace.load.side_files import merge_groups, node_facts, resolve_layout
 from megatrace.load.traceset import LoadProblem, TraceLoadError, TraceSet, name_list, rank_list
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_reader import RingFormatError, RingHeader
+from megatrace.trace.tail_pack import PACK_TAIL, read_pack
 
 # Records per rank that a quick (hang-only) load reads. The hang analysis looks at each rank's newest
 # 64 (hang.TAIL); the other 64 are margin: the op a rank waits in may be a little older than the newest
@@ -46,7 +47,7 @@ from megatrace.trace.ring_reader import RingFormatError, RingHeader
 # others still gets its own newest records, however old. Where this is not enough (a partner's record
 # of an op someone waits in lies before its tail) tail_gaps() finds it and extend_tails() reads further
 # back, so the margin buys speed, not correctness: at 4,096 ranks 256 measured 0.2 s slower than 128.
-QUICK_TAIL = 128
+QUICK_TAIL = PACK_TAIL  # 128 (a collection packs each ring's newest 128 records: trace/tail_pack.py)
 
 
 def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | None = None,
@@ -170,8 +171,9 @@ def _read_headers(files: list[Path], tail: int | None,
     """Every readable file's header and, with ``tail``, its newest records (else None); the others are said in
     ``unreadable``."""
     if tail is not None:  # header and tail of every file at once (a file of another job or a duplicate is read
-        #                   for nothing)
-        tails = read_tail_columns(files, tail, unreadable)
+        #                   for nothing); from the bundle's tails pack when it has one (trace/tail_pack.py)
+        tails = read_tail_columns(files, tail, unreadable, read_pack(files[0].parent.parent, files[0].parent,
+                                                                      len(files)))
         return {path: snap.header for path, snap in tails.snaps.items()}, tails
     headers: dict[Path, RingHeader] = {}
     for path in files:

@@ -23,6 +23,7 @@ from megatrace.load.traceset import COLUMNS, LoadProblem, RankInfo, Records, Tra
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_reader import (META_LIMIT, RECORD_DTYPE, ReadProblem, RingFormatError, RingHeader,
                                          RingSnapshot, open_budget, read_meta, read_ring, read_tails)
+from megatrace.trace.tail_pack import PackedFile
 
 @dataclass
 class RankRead:
@@ -216,12 +217,19 @@ class TailColumns:
     meta_paths: dict[Path, str]  # which meta file that is (by the rank in the ring's header)
 
 
-def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None], list[str]]:
+def _packed_meta(pack: dict[str, PackedFile] | None, meta: str) -> bytes | None:
+    entry = pack.get(os.path.basename(meta)) if pack else None
+    return bytes(entry.body) if entry is not None and not entry.first else None
+
+
+def _read_batch(batch: list[Path], tail: int,
+                pack: dict[str, PackedFile] | None = None) -> tuple[list, list[bytes | None], list[str]]:
     """The tails of ``batch`` (``read_tails``), the bytes of their meta files and those files' paths.
 
     The meta files are opened first and the kernel told they will be read (files not in the page
     cache are then read ahead together, while the rings are read), by the rank in their name;
-    the rank in the ring header decides which file is read.
+    the rank in the ring header decides which file is read. What the tails ``pack`` holds is taken
+    from it, not read.
     """
     early: dict[str, int] = {}
     named = [RING_RE.match(path.name) for path in batch]
@@ -229,13 +237,15 @@ def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None],
     guesses = [_meta_path_str(rank, path) for rank, path in zip(ranks, batch, strict=True)]
     try:
         for guess in guesses[:open_budget()]:
+            if _packed_meta(pack, guess) is not None:
+                continue
             try:
                 early[guess] = open_input(guess)
             except OSError:
                 continue
             if _FADVISE:
                 os.posix_fadvise(early[guess], 0, 0, os.POSIX_FADV_WILLNEED)
-        snaps = read_tails(batch, tail)
+        snaps = read_tails(batch, tail, pack=pack)
         metas: list[bytes | None] = []
         meta_paths: list[str] = []
         for path, got, rank, guess in zip(batch, snaps, ranks, guesses, strict=True):
@@ -244,7 +254,9 @@ def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None],
             if isinstance(got, RingSnapshot):
                 meta = guess if got.header.rank == rank else _meta_path_str(got.header.rank, path)
                 try:
-                    data = _read_fd(early[meta]) if meta in early else _read_file(meta)
+                    data = _packed_meta(pack, meta)
+                    if data is None:
+                        data = _read_fd(early[meta]) if meta in early else _read_file(meta)
                 except OSError:
                     pass  # read_meta says why, later
             metas.append(data)
@@ -258,8 +270,10 @@ def _read_batch(batch: list[Path], tail: int) -> tuple[list, list[bytes | None],
 _FADVISE = hasattr(os, "posix_fadvise")
 
 
-def read_tail_columns(files: list[Path], tail: int, unreadable: list[str]) -> TailColumns:
-    """Every ring's tail and meta file, batch by batch, copied into the columns."""
+def read_tail_columns(files: list[Path], tail: int, unreadable: list[str],
+                      pack: dict[str, PackedFile] | None = None) -> TailColumns:
+    """Every ring's tail and meta file, batch by batch (from the tails ``pack`` where it holds them), copied into
+    the columns."""
     # Sized for every file's whole tail (pages never written cost nothing); grown if a huge ``tail`` was asked.
     columns = {name: np.empty(len(files) * min(tail, 4096), dt) for name, dt in COLUMNS.items()}
     rows: dict[Path, tuple[int, int]] = {}
@@ -269,7 +283,7 @@ def read_tail_columns(files: list[Path], tail: int, unreadable: list[str]) -> Ta
     n = 0
     for lo in range(0, len(files), TAIL_BATCH):
         batch = files[lo:lo + TAIL_BATCH]
-        got_snaps, got_metas, got_paths = _read_batch(batch, tail)
+        got_snaps, got_metas, got_paths = _read_batch(batch, tail, pack)
         parts: list[np.ndarray] = []
         ranks: list[int] = []
         counts: list[int] = []

@@ -32,6 +32,7 @@ from megatrace.trace.ring_io import COUNTER_LIMIT, open_budget
 from megatrace.trace.ring_meta import META_LIMIT, read_meta
 from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, head_checks, tail_checks, validate
 from megatrace.trace.ring_tail import FRESHER, batch_tails, copy_tail, tail_snapshot, trim
+from megatrace.trace.tail_pack import PackedFile
 
 __all__ = ["META_LIMIT", "RECORD_DTYPE", "ReadProblem", "RingFormatError", "RingHeader", "RingSnapshot",
            "head_checks", "open_budget", "parse_header", "read_meta", "read_ring", "read_tails", "tail_checks"]
@@ -115,7 +116,8 @@ def _read_tail(path: str, last: int, retries: int, retry_sleep: float) -> RingSn
 
 
 def read_tails(paths: Sequence[str | os.PathLike[str]], last: int, retries: int = 3,
-               retry_sleep: float = 0.002) -> list[RingSnapshot | RingFormatError | OSError]:
+               retry_sleep: float = 0.002,
+               pack: dict[str, PackedFile] | None = None) -> list[RingSnapshot | RingFormatError | OSError]:
     """``read_ring(path, last=last)`` for each path, in order; an unreadable file gives its exception.
 
     Fast for thousands of rings: each file costs one open, a header read and one or two reads of its
@@ -127,7 +129,7 @@ def read_tails(paths: Sequence[str | os.PathLike[str]], last: int, retries: int 
     """
     if last < 1:
         raise ValueError(f"last={last}: the number of records to read must be at least 1")
-    out = batch_tails(paths, last)
+    out = batch_tails(paths, last, pack)
     for i in range(len(paths)):
         if out[i] is None:
             try:

@@ -14,6 +14,7 @@ from megatrace.trace.ring_header import (HEADER_USED, ReadProblem, RingFormatErr
                                          unreadable_problems)
 from megatrace.trace.ring_io import COUNTER_LIMIT, open_budget, pread_rows, slot_runs, will_need
 from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, older_or_empty, validate, whole_records
+from megatrace.trace.tail_pack import PackedFile, tail_span
 
 FRESHER = object()  # tail_snapshot: the counter moved on by more than the window while the tail was read
 
@@ -122,16 +123,42 @@ def trim(snap: RingSnapshot, last: int) -> RingSnapshot:
     return RingSnapshot(snap.header, keep, snap.problems, start, last - len(keep), True, snap.dropped)
 
 
+def _from_pack(pack: dict[str, PackedFile], path: str | os.PathLike[str], i: int, last: int, raw: np.ndarray,
+               out: list, heads: list, first: np.ndarray, rows: np.ndarray, caps: np.ndarray,
+               sizes: list[int]) -> bool:
+    """``read_tails``' reads for file ``i`` from its entry in the tails pack; False when the pack cannot serve it
+    (no entry, or a tail shorter than ``last``): it is read from the file."""
+    entry = pack.get(os.path.basename(path))
+    if entry is None or not entry.first:
+        return False
+    try:
+        header, problems = parse_header(str(path), entry.head, entry.size)
+    except RingFormatError:
+        return False
+    span = tail_span(entry.head, entry.size, last)
+    got = entry.rows(*span[:2]) if span is not None and not problems else None
+    if got is None:
+        return False
+    heads[i], sizes[i] = header, entry.size
+    first[i], rows[i], caps[i] = span[0], span[1], span[2]
+    stride = last + 2
+    raw[i * stride:i * stride + span[1]] = np.frombuffer(got, np.uint8).reshape(-1, fmt.RECORD_SIZE)
+    return True
+
+
 def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range, last: int, raw: np.ndarray,
                           out: list, heads: list, first: np.ndarray, rows: np.ndarray, caps: np.ndarray,
-                          sizes: list[int]) -> None:
+                          sizes: list[int], pack: dict[str, PackedFile] | None = None) -> None:
     """``read_tails``' reads for the files ``which``, in three passes so that the kernel reads ahead for
     all of them at once when they are not cached: open each file and ask for its header; read the
-    headers and ask for each tail; read the tails (into ``raw``, at each ring's rows)."""
+    headers and ask for each tail; read the tails (into ``raw``, at each ring's rows). A file the tails
+    ``pack`` holds is not opened at all."""
     stride = last + 2
     fds: dict[int, int] = {}
     try:
         for i in which:
+            if pack and _from_pack(pack, paths[i], i, last, raw, out, heads, first, rows, caps, sizes):
+                continue
             try:
                 fds[i] = open_input(paths[i])
             except OSError as exc:
@@ -157,7 +184,7 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
             for offset, _, count in slot_runs(lo, int(rows[i]), cap, sizes[i]):
                 will_need(fd, offset, count * fmt.RECORD_SIZE)
         for i in which:
-            if rows[i]:
+            if rows[i] and i in fds:  # (rows from the pack are in place already)
                 try:
                     pread_rows(fds[i], raw[i * stride:i * stride + int(rows[i])], int(first[i]), int(caps[i]),
                                sizes[i])
@@ -168,10 +195,11 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
             os.close(fd)
 
 
-def batch_tails(paths: Sequence[str | os.PathLike[str]],
-                last: int) -> list[RingSnapshot | RingFormatError | OSError | None]:
-    """The tails of the rings whose tail is spotless, read in batches into one shared buffer and checked in one
-    vectorised pass; an unreadable file gives its exception, a ring to be read on its own None."""
+def batch_tails(paths: Sequence[str | os.PathLike[str]], last: int,
+                pack: dict[str, PackedFile] | None = None) -> list[RingSnapshot | RingFormatError | OSError | None]:
+    """The tails of the rings whose tail is spotless, read in batches into one shared buffer (or taken from the
+    tails ``pack``) and checked in one vectorised pass; an unreadable file gives its exception, a ring to be read
+    on its own None."""
     stride = last + 2  # rows per ring: the window, the slot one past the counter, and one more
     n_paths = len(paths)
     raw = np.zeros((n_paths * stride, fmt.RECORD_SIZE), np.uint8)
@@ -184,7 +212,7 @@ def batch_tails(paths: Sequence[str | os.PathLike[str]],
     step = open_budget()
     for lo in range(0, n_paths, step):
         _read_heads_and_tails(paths, range(lo, min(n_paths, lo + step)), last, raw, out, heads, first, rows, caps,
-                              sizes)
+                              sizes, pack)
     _keep_spotless(raw, last, first, rows, caps, heads, out)
     return out
 

@@ -1,0 +1,191 @@
+"""The tails pack: what a quick (tail) load reads of every ring, and every meta file, in one file of a bundle.
+
+A collection writes ``tails.pack`` beside ``rings/``. For each ring it holds the bytes a quick load
+reads (its header and the slots of its newest :data:`PACK_TAIL` records and the two after them), copied
+from the very bytes of the ring in ``rings/`` as its node read them; for each meta file, its bytes. A
+quick analysis of the bundle then opens one file instead of two per rank (32,768 ranks on a network
+filesystem: one open, not 65,536). A ring the pack lacks, one whose tail in the pack is too short for
+the load, or every ring when the pack is older than ``rings/``, is read from ``rings/`` as before::
+
+    pack    b"MTTAILP1" | entry | entry | ...
+    entry   u32 length of what follows | u16 name length | name | u64 file size | u64 first seq
+            | u32 header length | header | rows (a ring: the slots of seqs first, first + 1, ...) or the file
+
+Entries are whole or absent: a pack cut short (a root stopped while writing it) keeps its whole entries.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatrace.trace import ring_format as fmt
+from megatrace.trace.ring_header import HEADER_USED, RingFormatError, parse_header
+from megatrace.trace.ring_io import COUNTER_LIMIT, slot_runs
+
+PACK_NAME = "tails.pack"
+MAGIC = b"MTTAILP1"
+PACK_TAIL = 128  # records per ring: the quick load's tail (megatrace.load.directory.QUICK_TAIL)
+META_PACK_LIMIT = 64 << 10  # a meta file is a few KiB; a larger one is read from rings/
+ENTRY_OVERHEAD = 512  # an entry's length fields and name, rounded up
+_ENTRY = struct.Struct("<IH")
+_SPAN = struct.Struct("<QQI")
+_PACKED_RE = re.compile(r"^rank-\d+\.(ring|meta\.jsonl)$")  # current attempts only
+
+
+def packed(name: str) -> bool:
+    """Whether the trace file ``name`` goes into the pack (the current attempt's ring and meta file)."""
+    return bool(_PACKED_RE.match(name))
+
+
+def tail_span(head: bytes, size: int, last: int = PACK_TAIL) -> tuple[int, int, int] | None:
+    """(first seq, rows, capacity) a tail load of ``last`` records reads of a ring with header bytes ``head`` and ``size``
+    bytes; None when it reads that ring whole instead (a damaged header, a truncated file, a stale counter)."""
+    try:
+        header, problems = parse_header("ring", head, size)
+    except RingFormatError:
+        return None
+    cap, counter = header.capacity, header.write_counter
+    if problems or size != fmt.file_size(cap) or (last + 2 > cap and counter + 2 > cap) or counter >= COUNTER_LIMIT:
+        return None
+    first = max(1, counter + 1 - last)
+    return first, counter + 3 - first, cap
+
+
+class TailCapture:
+    """Picks what goes into the pack out of a trace file's bytes as they are read, in order, once."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        self.ring = name.endswith(".ring")
+        self.head = bytearray()
+        self.body = bytearray()
+        self.first = 0
+        self.runs: list[tuple[int, int, int]] | None = None  # (file offset, row, rows) of the tail's slots
+        self.offset = 0
+        self.wanted = self.ring or size <= META_PACK_LIMIT
+
+    def feed(self, data: bytes | memoryview) -> None:
+        """The next bytes of the file."""
+        start, self.offset = self.offset, self.offset + len(data)
+        if not self.wanted:
+            return
+        if not self.ring:
+            self.body += data
+            return
+        if len(self.head) < HEADER_USED:
+            self.head += data[:HEADER_USED - len(self.head)]
+            if len(self.head) < HEADER_USED:
+                return
+            span = tail_span(bytes(self.head), self.size)
+            if span is None:
+                self.wanted = False
+                return
+            self.first, rows, cap = span
+            self.runs = slot_runs(self.first, rows, cap, self.size)
+            self.body = bytearray(rows * fmt.RECORD_SIZE)
+        assert self.runs is not None
+        for offset, row, count in self.runs:
+            lo, hi = max(offset, start), min(offset + count * fmt.RECORD_SIZE, self.offset)
+            if lo < hi:
+                at = row * fmt.RECORD_SIZE + lo - offset
+                self.body[at:at + hi - lo] = data[lo - start:hi - start]
+
+    def entry(self) -> bytes | None:
+        """The file's pack entry, once every byte of it was fed; None when it has none."""
+        if not self.wanted or self.offset != self.size or (self.ring and self.runs is None):
+            return None
+        return pack_entry(self.name, self.size, self.first, bytes(self.head), bytes(self.body))
+
+
+def pack_entry(name: str, size: int, first: int, head: bytes, body: bytes) -> bytes:
+    raw = name.encode()
+    rest = raw + _SPAN.pack(size, first, len(head)) + head + body
+    return _ENTRY.pack(len(rest) + 2, len(raw)) + rest
+
+
+@dataclass(frozen=True)
+class PackedFile:
+    """One file's entry: its size, and a ring's header and tail rows (from seq ``first``) or a meta file's bytes."""
+
+    size: int
+    first: int
+    head: bytes
+    body: memoryview
+
+    def rows(self, first: int, n: int) -> memoryview | None:
+        """The slots of seqs ``first`` .. ``first + n - 1``, when the entry holds them all."""
+        lo = (first - self.first) * fmt.RECORD_SIZE
+        hi = lo + n * fmt.RECORD_SIZE
+        return self.body[lo:hi] if self.first and first >= self.first and hi <= len(self.body) else None
+
+
+def parse_pack(data: bytes) -> dict[str, PackedFile]:
+    """The whole entries of a pack's bytes, by file name (a first entry of a name wins). Raises ValueError for
+    bytes that are not a pack."""
+    if not data.startswith(MAGIC):
+        raise ValueError("not a MegaTrace tails pack")
+    view = memoryview(data)
+    out: dict[str, PackedFile] = {}
+    at = len(MAGIC)
+    while at + _ENTRY.size <= len(data):
+        length, name_len = _ENTRY.unpack_from(data, at)
+        end = at + 4 + length
+        body_at = at + _ENTRY.size + name_len + _SPAN.size
+        if end > len(data) or body_at > end:
+            break  # a pack cut short: its whole entries are kept
+        name = bytes(view[at + _ENTRY.size:at + _ENTRY.size + name_len]).decode("utf-8", "replace")
+        size, first, head_len = _SPAN.unpack_from(data, at + _ENTRY.size + name_len)
+        if body_at + head_len > end or not packed(name):
+            raise ValueError(f"entry at byte {at}: {name!r} is not a packed trace file")
+        out.setdefault(name, PackedFile(size, first, bytes(view[body_at:body_at + head_len]),
+                                        view[body_at + head_len:end]))
+        at = end
+    return out
+
+
+def single_entry(blob: bytes) -> tuple[str, PackedFile] | None:
+    """(name, entry) when ``blob`` is exactly one whole pack entry, else None."""
+    if len(blob) < _ENTRY.size or _ENTRY.unpack_from(blob)[0] + 4 != len(blob):
+        return None
+    try:
+        got = parse_pack(MAGIC + blob)
+    except ValueError:
+        return None
+    return next(iter(got.items())) if len(got) == 1 else None
+
+
+def entry_limit(name: str) -> int:
+    """The most bytes an entry of trace file ``name`` may have."""
+    body = HEADER_USED + (PACK_TAIL + 2) * fmt.RECORD_SIZE if name.endswith(".ring") else META_PACK_LIMIT
+    return body + ENTRY_OVERHEAD
+
+
+def read_pack(directory: Path, rings: Path, count: int) -> dict[str, PackedFile] | None:
+    """The pack of the bundle ``directory`` for the ``count`` ring files in ``rings``, when it may be trusted for
+    them: in that directory's parent, not older than the directory (a file added or replaced since), and no
+    larger than the entries of that many rings and meta files may be. None without one."""
+    from megatrace.files import open_input, read_fd
+
+    if rings.name != "rings" or rings.parent != directory:
+        return None
+    limit = len(MAGIC) + count * (entry_limit("x.ring") + entry_limit("x.meta.jsonl"))
+    try:
+        fd = open_input(directory / PACK_NAME)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_mtime_ns < os.stat(rings).st_mtime_ns:
+            return None
+        data = read_fd(fd, limit, PACK_NAME)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return parse_pack(data)
+    except ValueError:
+        return None
