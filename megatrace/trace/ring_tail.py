@@ -12,9 +12,9 @@ from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_header import (HEADER_USED, ReadProblem, RingFormatError, RingHeader, RingSnapshot,
                                          parse_header, read_header_bytes, torn_problems, truncation,
                                          unreadable_problems)
-from megatrace.trace.ring_io import COUNTER_LIMIT, open_budget, pread_rows, slot_runs, will_need
+from megatrace.trace.ring_io import open_budget, pread_rows, slot_runs, will_need
 from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, older_or_empty, validate, whole_records
-from megatrace.trace.tail_pack import PackedFile, tail_span
+from megatrace.trace.tail_pack import PackedFile, header_span
 
 FRESHER = object()  # tail_snapshot: the counter moved on by more than the window while the tail was read
 
@@ -135,8 +135,8 @@ def _from_pack(pack: dict[str, PackedFile], path: str | os.PathLike[str], i: int
         header, problems = parse_header(str(path), entry.head, entry.size)
     except RingFormatError:
         return False
-    span = tail_span(entry.head, entry.size, last)
-    got = entry.rows(*span[:2]) if span is not None and not problems else None
+    span = header_span(header, entry.size, last) if not problems else None
+    got = entry.rows(*span[:2]) if span is not None else None
     if got is None:
         return False
     heads[i], sizes[i] = header, entry.size
@@ -173,15 +173,13 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
                 out[i] = exc
                 continue
             heads[i] = header
-            cap, counter = header.capacity, header.write_counter
             # (a ring smaller than the window is read here too while its slots up to two past the counter
             # have never been reused: each row is then a slot of its own)
-            if problems or sizes[i] != fmt.file_size(cap) or (stride > cap and counter + 2 > cap) \
-                    or counter >= COUNTER_LIMIT:
+            span = header_span(header, sizes[i], last) if not problems else None
+            if span is None:
                 continue  # read on its own later
-            lo = max(1, counter + 1 - last)
-            first[i], rows[i], caps[i] = lo, counter + 3 - lo, cap
-            for offset, _, count in slot_runs(lo, int(rows[i]), cap, sizes[i]):
+            first[i], rows[i], caps[i] = span
+            for offset, _, count in slot_runs(span[0], span[1], span[2], sizes[i]):
                 will_need(fd, offset, count * fmt.RECORD_SIZE)
         for i in which:
             if rows[i] and i in fds:  # (rows from the pack are in place already)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatrace.trace import ring_format as fmt
-from megatrace.trace.ring_header import HEADER_USED, RingFormatError, parse_header
+from megatrace.trace.ring_header import HEADER_USED, RingFormatError, RingHeader, parse_header
 from megatrace.trace.ring_io import COUNTER_LIMIT, slot_runs
 
 PACK_NAME = "tails.pack"
@@ -42,14 +42,20 @@ def packed(name: str) -> bool:
 
 
 def tail_span(head: bytes, size: int, last: int = PACK_TAIL) -> tuple[int, int, int] | None:
-    """(first seq, rows, capacity) a tail load of ``last`` records reads of a ring with header bytes ``head`` and ``size``
-    bytes; None when it reads that ring whole instead (a damaged header, a truncated file, a stale counter)."""
+    """(first seq, rows, capacity) a tail load of ``last`` records reads of a ring with header bytes ``head`` and
+    ``size`` bytes; None when it reads that ring whole instead (a damaged header, a truncated file, a stale
+    counter)."""
     try:
         header, problems = parse_header("ring", head, size)
     except RingFormatError:
         return None
+    return None if problems else header_span(header, size, last)
+
+
+def header_span(header: RingHeader, size: int, last: int) -> tuple[int, int, int] | None:
+    """:func:`tail_span` of a ring whose header parsed without problems."""
     cap, counter = header.capacity, header.write_counter
-    if problems or size != fmt.file_size(cap) or (last + 2 > cap and counter + 2 > cap) or counter >= COUNTER_LIMIT:
+    if size != fmt.file_size(cap) or (last + 2 > cap and counter + 2 > cap) or counter >= COUNTER_LIMIT:
         return None
     first = max(1, counter + 1 - last)
     return first, counter + 3 - first, cap
