@@ -217,3 +217,41 @@ def test_no_side_holds_a_whole_ring_whatever_its_size(tmp_path: Path, monkeypatc
     assert placed["rank-00000.ring"].sha256 == digest
     doc = other.finish(analysis="none")
     assert [f["sha256"] for f in doc["files"] if f["name"] == "rings/rank-00000.ring"] == [digest]
+
+
+def test_a_file_replaced_after_the_snapshot_is_dropped_and_named_never_read_in_its_place(tmp_path: Path) -> None:
+    """A node holds no file open (a node with thousands of trace files would run out of descriptors): each is
+    opened again to be read, and must be the very file the snapshot saw."""
+    snap = _snap(tmp_path)
+    ring = tmp_path / "nodeA" / "rank-00000.ring"
+    planted = tmp_path / "nodeA" / "planted"
+    planted.write_bytes(b"not the ring the snapshot saw")
+    planted.replace(ring)
+    writer = _shared_bundle(tmp_path)
+    placed, _ = place_files(snap, str(writer.path), "n0nce", None)
+    assert list(placed) == ["rank-00000.meta.jsonl"]  # the ring could not be read: left to the stream
+    _stream(snap, writer, 2, placed=placed)
+    doc = writer.finish(analysis="none")
+    assert not (writer.path / "rings" / "rank-00000.ring").exists()
+    assert [f["name"] for f in doc["files"]] == ["rings/rank-00000.meta.jsonl"]
+    assert any("replaced since the snapshot" in p and "rank-00000.ring" in p for p in doc["problems"]), doc["problems"]
+    assert sorted(p.name for p in (writer.path / "rings").iterdir()) == ["rank-00000.meta.jsonl"]  # nothing hidden
+
+
+def test_a_node_with_more_trace_files_than_descriptors_collects_them_all(tmp_path: Path) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    src = tmp_path / "many"
+    src.mkdir()
+    for r in range(300):
+        (src / f"rank-{r:05d}.meta.jsonl").write_bytes(b'{"kind":"process"}\n')
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))  # 64 more than now
+    try:
+        with snapshot_node(str(src), "n1", stacks=False, system=False) as snap:
+            writer = BundleWriter(tmp_path / "bundle", "j")
+            writer.add_node(snap)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    doc = writer.finish(analysis="none")
+    assert len(doc["files"]) == 300 and doc["problems"] == [], doc["problems"][:3]

@@ -32,8 +32,9 @@ def test_links_fifos_and_oversized_files_in_a_ring_directory_are_skipped_not_fol
         pytest.skip("needs root: a link of another user")
     os.lchown(tmp_path / "rank-00001.ring", 4242, 4242)  # another user's (root's own links are followed)
     os.mkfifo(tmp_path / "rank-00002.meta.jsonl")  # an open() without O_NONBLOCK would block here
-    files, skipped = read_trace_dir(str(tmp_path))
+    dfd, files, skipped = read_trace_dir(str(tmp_path))
     assert {n: f.read() for n, f in files.items()} == {"rank-00000.ring": b"r" * 100}
+    os.close(dfd)
     assert {s["name"] for s in skipped} == {"rank-00001.ring", "rank-00002.meta.jsonl"}
     fd = safefs.open_dir(tmp_path)
     try:

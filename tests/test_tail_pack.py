@@ -68,9 +68,11 @@ def _bundle(tmp_path: Path) -> Path:
     return writer.path
 
 
-def test_a_quick_load_of_a_bundle_takes_the_tails_from_the_pack(tmp_path: Path) -> None:
+def test_a_quick_load_of_a_bundle_takes_the_tails_from_the_pack(tmp_path: Path, monkeypatch) -> None:
     bundle = _bundle(tmp_path)
     quick = load_trace(bundle, tail=QUICK_TAIL)
+    monkeypatch.setattr(tail_pack.TailPack, "SCAN_BYTES", 777)  # the index built in blocks that cut entries
+    _same(quick, load_trace(bundle, tail=QUICK_TAIL))
     (bundle / "tails.pack").rename(tmp_path / "pack")
     _same(quick, load_trace(bundle, tail=QUICK_TAIL))  # the same records and meta as from the rings
     (tmp_path / "pack").rename(bundle / "tails.pack")
@@ -92,7 +94,10 @@ def test_a_pack_older_than_rings_or_not_a_pack_is_not_used(tmp_path: Path) -> No
     good = pack.read_bytes()
     # hostile or damaged packs: garbage, a name outside the trace files, an entry cut short
     hostile = tail_pack.MAGIC + tail_pack.pack_entry("../../etc/shadow", 1, 0, b"", b"x")
-    for data in (b"garbage", hostile, good[:len(good) // 2], b""):
+    huge = tail_pack.MAGIC + tail_pack.pack_entry("rank-00000.meta.jsonl", 1, 0, b"", bytes(1 << 20))
+    many = tail_pack.MAGIC + b"".join(tail_pack.pack_entry(f"rank-{r:05d}.meta.jsonl", 1, 0, b"", b"x")
+                                      for r in range(9, 30))  # more entries than four ranks have files
+    for data in (b"garbage", hostile, huge, many, good[:len(good) // 2], b""):
         pack.write_bytes(data)
         _same(quick, load_trace(bundle, tail=QUICK_TAIL))  # read from the rings, or from the whole entries
     # a ring replaced after the pack was written: rings/ is newer than the pack, which is no longer trusted

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from megatrace.collect import safefs
 from megatrace.collect.node import RING_LIMIT, TRACE_FILE_RE, NodeSnapshot, main_thread_frames
-from megatrace.collect.payload import FileEntry, NodeHeader, header_of, streamed_pieces
+from megatrace.collect.payload import UNREADABLE, FileEntry, NodeHeader, header_of, streamed_pieces
 from megatrace.names import job_dir_name, safe_name
 from megatrace.trace import tail_pack
 
@@ -288,6 +288,9 @@ class BundleWriter:
         if target is None:
             return
         target.ended = True
+        if sha256 == UNREADABLE.hex():
+            target.failed = f"{target.name}: its node could not read it (gone, or replaced since the snapshot)"
+            return
         if size != target.written or sha256 != target.sha.hexdigest():
             target.failed = f"{target.name}: its bytes did not match the size and sha256 it announced"
             return

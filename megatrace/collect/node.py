@@ -51,55 +51,61 @@ READ_BYTES = 16 << 20  # a trace file is read, hashed, written and sent this muc
 
 @dataclass(eq=False)
 class TraceFile:
-    """One trace file of the node, held open (its identity fixed at the snapshot) and read a chunk at a time:
-    a node's memory does not grow with its rings."""
+    """One trace file of the node, known by its identity at the snapshot and read a chunk at a time: a node's
+    memory does not grow with its rings, and it holds one file open at a time however many it has."""
 
     name: str
-    fd: int
+    dir_fd: int  # its directory (the snapshot's, open until the snapshot is closed)
+    identity: tuple[int, int]  # (st_dev, st_ino) at the snapshot: a file replaced since is not read
     size: int  # bytes at the snapshot; a file that grew since is read up to here
     head: bytes  # its first bytes (a ring's header)
     tail_entry: bytes | None = None  # its tails-pack entry, taken from the bytes of its last whole read
 
     def chunks(self, size: int | None = None) -> Iterator[bytes]:
         """The file's bytes, ``size`` (:data:`READ_BYTES`) at a time (fewer at the end, or when it shrank since
-        the snapshot). A whole read also leaves the file's tails-pack entry in :attr:`tail_entry`."""
+        the snapshot). A whole read also leaves the file's tails-pack entry in :attr:`tail_entry`. OSError when
+        it cannot be opened, or is another file than at the snapshot."""
         size = size or READ_BYTES
         capture = TailCapture(self.name, self.size) if packed(self.name) else None
-        offset = 0
-        while offset < self.size:
-            data = os.pread(self.fd, min(size, self.size - offset), offset)
-            if not data:
-                return
-            offset += len(data)
-            if capture is not None:
-                capture.feed(data)
-            yield data
+        fd = safefs.open_regular(self.dir_fd, self.name)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.identity:
+                raise OSError(errno.ESTALE, f"{self.name}: replaced since the snapshot")
+            offset = 0
+            while offset < self.size:
+                data = os.pread(fd, min(size, self.size - offset), offset)
+                if not data:
+                    return
+                offset += len(data)
+                if capture is not None:
+                    capture.feed(data)
+                yield data
+        finally:
+            os.close(fd)
         self.tail_entry = capture.entry() if capture is not None else None
 
     def read(self) -> bytes:
         """All of it (small files: start markers, meta files)."""
         return b"".join(self.chunks())
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
 
 @dataclass
 class NodeSnapshot:
-    """What one node contributes: its trace files (name -> open file) and facts (JSON-able).
+    """What one node contributes: its trace files (name -> file) and facts (JSON-able).
 
-    The files stay open until :meth:`close` (or the ``with`` block ends)."""
+    Its trace directory stays open, for the files to be read, until :meth:`close` (or the ``with`` block ends)."""
 
     node: str
     files: dict[str, TraceFile] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # the trace directory itself could not be read
+    dir_fd: int = -1
 
     def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
 
     def __enter__(self) -> "NodeSnapshot":
         return self
@@ -184,22 +190,23 @@ def describe_ring(name: str, head: bytes, size: int) -> dict[str, Any]:
 
 
 def open_trace_file(dir_fd: int, name: str, limit: int) -> TraceFile:
-    """Trace file ``name`` of ``dir_fd``, opened (no link of another user followed, regular files only) with its
-    first bytes read; larger than ``limit``: OSError EFBIG."""
+    """Trace file ``name`` of ``dir_fd`` (no link of another user followed, regular files only): its identity, size
+    and first bytes; larger than ``limit``: OSError EFBIG."""
     fd = safefs.open_regular(dir_fd, name)
     try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise OSError(errno.EFBIG, f"{name}: {size} bytes, more than the limit of {limit}")
-        return TraceFile(name, fd, size, os.pread(fd, min(size, fmt.HEADER_SIZE), 0))
-    except BaseException:
+        st = os.fstat(fd)
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{name}: {st.st_size} bytes, more than the limit of {limit}")
+        return TraceFile(name, dir_fd, (st.st_dev, st.st_ino), st.st_size, os.pread(fd, min(st.st_size,
+                                                                                             fmt.HEADER_SIZE), 0))
+    finally:
         os.close(fd)
-        raise
 
 
-def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[dict[str, TraceFile],
+def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[int, dict[str, TraceFile],
                                                                           list[dict[str, str]]]:
-    """(files, skipped): every trace file of ``ring_dir``, open; what could not be opened is in ``skipped``.
+    """(directory, files, skipped): ``ring_dir`` open (the caller closes it) and every trace file in it; what could
+    not be opened is in ``skipped``.
 
     ``owner``, when given, receives the uid that owns the directory: the user whose processes wrote it.
     """
@@ -218,9 +225,10 @@ def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[dict[
                 files[name] = open_trace_file(dfd, name, limit)
             except OSError as exc:
                 skipped.append({"name": name, "reason": exc.strerror or str(exc)})
-    finally:
+    except BaseException:
         os.close(dfd)
-    return files, skipped
+        raise
+    return dfd, files, skipped
 
 
 def rank_prefix(name: str) -> str:
@@ -539,7 +547,7 @@ def _fill_snapshot(snap: NodeSnapshot, ring_dir: str | None, stacks: bool, syste
     else:
         owner: list[int] = []
         try:
-            snap.files, facts["skipped"] = read_trace_dir(ring_dir, owner)
+            snap.dir_fd, snap.files, facts["skipped"] = read_trace_dir(ring_dir, owner)
         except OSError as exc:
             snap.error = f"{ring_dir}: {exc.strerror or exc}"
         if owner:
@@ -550,8 +558,7 @@ def _fill_snapshot(snap: NodeSnapshot, ring_dir: str | None, stacks: bool, syste
              if TRACE_FILE_RE.match(name).group(2) == "ring"]  # type: ignore[union-attr]
     foreign = foreign_files({r["file"]: r["host"] for r in rings if "host" in r}, node)
     if foreign:
-        for n in [n for n in snap.files if rank_prefix(n) in foreign]:
-            snap.files.pop(n).close()
+        snap.files = {n: f for n, f in snap.files.items() if rank_prefix(n) not in foreign}
         rings = [r for r in rings if rank_prefix(r["file"]) not in foreign]
         facts["other_nodes_rings"] = len(foreign)  # in a trace directory shared with other nodes: theirs
     facts["rings"] = rings

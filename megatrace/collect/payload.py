@@ -36,6 +36,7 @@ TAIL_MAGIC = b"MTTAIL3\n"
 _TAIL_OF = struct.Struct("<I")
 _CHUNK_AT = struct.Struct("<IQ")
 _FILE_END = struct.Struct("<IQ32s")
+UNREADABLE = bytes(32)  # a file end's digest when its node could not read it whole (no file has this sha256)
 CHUNK_BYTES = 16 << 20  # raw bytes per chunk: one message, compressed, stays below 17 MiB
 MAX_HEAD_BYTES = 256 << 20  # a header's JSON: facts are a few MiB at most (stacks, kernel log)
 COMPRESS_LEVEL = 1  # rings are mostly zeros or repetitive records: level 1 gets most of the gain, fast
@@ -83,10 +84,14 @@ def streamed_pieces(snap: NodeSnapshot, head: NodeHeader) -> Iterator[tuple[int,
     for each chunk, then (index, size, None, sha256 digest) at its end."""
     for index, entry in head.streamed:
         offset, digest = 0, hashlib.sha256()
-        for data in snap.files[entry.name].chunks(CHUNK_BYTES):
-            digest.update(data)
-            yield index, offset, data, b""
-            offset += len(data)
+        try:
+            for data in snap.files[entry.name].chunks(CHUNK_BYTES):
+                digest.update(data)
+                yield index, offset, data, b""
+                offset += len(data)
+        except OSError:  # gone, or replaced since the snapshot: the root drops it and says so
+            yield index, offset, None, UNREADABLE
+            continue
         yield index, offset, None, digest.digest()
 
 

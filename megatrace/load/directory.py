@@ -172,8 +172,12 @@ def _read_headers(files: list[Path], tail: int | None,
     ``unreadable``."""
     if tail is not None:  # header and tail of every file at once (a file of another job or a duplicate is read
         #                   for nothing); from the bundle's tails pack when it has one (trace/tail_pack.py)
-        tails = read_tail_columns(files, tail, unreadable, read_pack(files[0].parent.parent, files[0].parent,
-                                                                      len(files)))
+        pack = read_pack(files[0].parent.parent, files[0].parent, len(files))
+        try:
+            tails = read_tail_columns(files, tail, unreadable, pack)
+        finally:
+            if pack is not None:
+                pack.close()
         return {path: snap.header for path, snap in tails.snaps.items()}, tails
     headers: dict[Path, RingHeader] = {}
     for path in files:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,13 +217,13 @@ class TailColumns:
     meta_paths: dict[Path, str]  # which meta file that is (by the rank in the ring's header)
 
 
-def _packed_meta(pack: dict[str, PackedFile] | None, meta: str) -> bytes | None:
+def _packed_meta(pack: Mapping[str, PackedFile] | None, meta: str) -> bytes | None:
     entry = pack.get(os.path.basename(meta)) if pack else None
     return bytes(entry.body) if entry is not None and not entry.first else None
 
 
 def _read_batch(batch: list[Path], tail: int,
-                pack: dict[str, PackedFile] | None = None) -> tuple[list, list[bytes | None], list[str]]:
+                pack: Mapping[str, PackedFile] | None = None) -> tuple[list, list[bytes | None], list[str]]:
     """The tails of ``batch`` (``read_tails``), the bytes of their meta files and those files' paths.
 
     The meta files are opened first and the kernel told they will be read (files not in the page
@@ -237,7 +237,7 @@ def _read_batch(batch: list[Path], tail: int,
     guesses = [_meta_path_str(rank, path) for rank, path in zip(ranks, batch, strict=True)]
     try:
         for guess in guesses[:open_budget()]:
-            if _packed_meta(pack, guess) is not None:
+            if pack is not None and os.path.basename(guess) in pack:
                 continue
             try:
                 early[guess] = open_input(guess)
@@ -271,7 +271,7 @@ _FADVISE = hasattr(os, "posix_fadvise")
 
 
 def read_tail_columns(files: list[Path], tail: int, unreadable: list[str],
-                      pack: dict[str, PackedFile] | None = None) -> TailColumns:
+                      pack: Mapping[str, PackedFile] | None = None) -> TailColumns:
     """Every ring's tail and meta file, batch by batch (from the tails ``pack`` where it holds them), copied into
     the columns."""
     # Sized for every file's whole tail (pages never written cost nothing); grown if a huge ``tail`` was asked.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -117,7 +117,7 @@ def _read_tail(path: str, last: int, retries: int, retry_sleep: float) -> RingSn
 
 def read_tails(paths: Sequence[str | os.PathLike[str]], last: int, retries: int = 3,
                retry_sleep: float = 0.002,
-               pack: dict[str, PackedFile] | None = None) -> list[RingSnapshot | RingFormatError | OSError]:
+               pack: Mapping[str, PackedFile] | None = None) -> list[RingSnapshot | RingFormatError | OSError]:
     """``read_ring(path, last=last)`` for each path, in order; an unreadable file gives its exception.
 
     Fast for thousands of rings: each file costs one open, a header read and one or two reads of its

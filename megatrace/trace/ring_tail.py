@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -123,7 +123,7 @@ def trim(snap: RingSnapshot, last: int) -> RingSnapshot:
     return RingSnapshot(snap.header, keep, snap.problems, start, last - len(keep), True, snap.dropped)
 
 
-def _from_pack(pack: dict[str, PackedFile], path: str | os.PathLike[str], i: int, last: int, raw: np.ndarray,
+def _from_pack(pack: Mapping[str, PackedFile], path: str | os.PathLike[str], i: int, last: int, raw: np.ndarray,
                out: list, heads: list, first: np.ndarray, rows: np.ndarray, caps: np.ndarray,
                sizes: list[int]) -> bool:
     """``read_tails``' reads for file ``i`` from its entry in the tails pack; False when the pack cannot serve it
@@ -148,7 +148,7 @@ def _from_pack(pack: dict[str, PackedFile], path: str | os.PathLike[str], i: int
 
 def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range, last: int, raw: np.ndarray,
                           out: list, heads: list, first: np.ndarray, rows: np.ndarray, caps: np.ndarray,
-                          sizes: list[int], pack: dict[str, PackedFile] | None = None) -> None:
+                          sizes: list[int], pack: Mapping[str, PackedFile] | None = None) -> None:
     """``read_tails``' reads for the files ``which``, in three passes so that the kernel reads ahead for
     all of them at once when they are not cached: open each file and ask for its header; read the
     headers and ask for each tail; read the tails (into ``raw``, at each ring's rows). A file the tails
@@ -194,7 +194,7 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
 
 
 def batch_tails(paths: Sequence[str | os.PathLike[str]], last: int,
-                pack: dict[str, PackedFile] | None = None) -> list[RingSnapshot | RingFormatError | OSError | None]:
+                pack: Mapping[str, PackedFile] | None = None) -> list[RingSnapshot | RingFormatError | OSError | None]:
     """The tails of the rings whose tail is spotless, read in batches into one shared buffer (or taken from the
     tails ``pack``) and checked in one vectorised pass; an unreadable file gives its exception, a ring to be read
     on its own None."""
