@@ -66,3 +66,24 @@ def test_the_job_ring_directories_are_found_by_job_id_newest_first(tmp_path: Pat
         os.utime(d, (mtime, mtime))
     assert job_ring_dirs("77", str(tmp_path)) == [str(tmp_path / n) for n in ("77.0", "77.1", "77")]
     assert job_ring_dirs(None, str(tmp_path)) == []
+
+
+def test_as_root_a_file_in_a_users_ring_directory_that_the_user_does_not_own_is_not_collected(tmp_path: Path) -> None:
+    """A hard link to a file the user could not read (where protected_hardlinks is off), or any file planted by
+    someone else, is not the writer's: a collector run as root never copies it into the user's bundle."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: files of two users")
+    ring_dir = tmp_path / "job"
+    ring_dir.mkdir()
+    (ring_dir / "rank-00000.ring").write_bytes(b"mine")
+    secret = tmp_path / "secret"
+    secret.write_text("root only")
+    os.chmod(secret, 0o600)
+    os.link(secret, ring_dir / "rank-00001.ring")  # root's file, under a ring's name
+    for p in (ring_dir, ring_dir / "rank-00000.ring"):
+        os.chown(p, 4242, 4242)
+    dfd, files, skipped = read_trace_dir(str(ring_dir))
+    os.close(dfd)
+    assert list(files) == ["rank-00000.ring"]
+    assert skipped == [{"name": "rank-00001.ring", "reason": "rank-00001.ring: owned by uid 0, not by the trace "
+                                                              "directory's owner (uid 4242)"}]

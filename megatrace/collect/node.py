@@ -189,12 +189,16 @@ def describe_ring(name: str, head: bytes, size: int) -> dict[str, Any]:
     return out
 
 
-def open_trace_file(dir_fd: int, name: str, limit: int) -> TraceFile:
+def open_trace_file(dir_fd: int, name: str, limit: int, owner: int | None = None) -> TraceFile:
     """Trace file ``name`` of ``dir_fd`` (no link of another user followed, regular files only): its identity, size
-    and first bytes; larger than ``limit``: OSError EFBIG."""
+    and first bytes; larger than ``limit``: OSError EFBIG; not owned by ``owner`` (when given): OSError EPERM (a
+    collector run as root never copies into a user's bundle a file the user could not read, hard-linked there)."""
     fd = safefs.open_regular(dir_fd, name)
     try:
         st = os.fstat(fd)
+        if owner is not None and st.st_uid != owner:
+            raise OSError(errno.EPERM, f"{name}: owned by uid {st.st_uid}, not by the trace directory's owner "
+                                       f"(uid {owner})")
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"{name}: {st.st_size} bytes, more than the limit of {limit}")
         return TraceFile(name, dir_fd, (st.st_dev, st.st_ino), st.st_size, os.pread(fd, min(st.st_size,
@@ -214,15 +218,18 @@ def read_trace_dir(ring_dir: str, owner: list[int] | None = None) -> tuple[int, 
     skipped: list[dict[str, str]] = []
     dfd = safefs.open_dir(ring_dir)
     try:
+        uid = os.fstat(dfd).st_uid
         if owner is not None:
-            owner.append(os.fstat(dfd).st_uid)
+            owner.append(uid)
+        # As root, a file another user owns is not the writer's (the writers run as the directory's owner).
+        must_own = uid if os.geteuid() == 0 else None
         for name in safefs.list_dir(dfd):
             m = TRACE_FILE_RE.match(name)
             if not m:
                 continue
             limit = {"ring": RING_LIMIT, "init": MAX_MARKER_BYTES}.get(m.group(2), META_LIMIT)
             try:
-                files[name] = open_trace_file(dfd, name, limit)
+                files[name] = open_trace_file(dfd, name, limit, must_own)
             except OSError as exc:
                 skipped.append({"name": name, "reason": exc.strerror or str(exc)})
     except BaseException:
