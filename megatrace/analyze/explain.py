@@ -279,8 +279,8 @@ def hang_findings(trace: TraceSet, m: MatchResult, hang: HangAnalysis) -> list[F
                 subject=rank_subject(trace, rank), verdict=f"{rank_label(trace, rank)} crashed: {why}",
                 evidence=[_last_op_text(trace, hang, rank)], remediation=REMEDIATION[Kind.CRASHED_PROCESS],
                 confidence=0.9, impact=1))
-    for rank, proc in sorted(trace.facts.procs.items()):
-        if proc.crashed and rank not in explained and hang.status.get(rank) != RankStatus.BLOCKED:
+    for rank, proc in sorted((r, p) for r, p in trace.facts.procs.items() if p.crashed):
+        if rank not in explained and hang.status.get(rank) != RankStatus.BLOCKED:
             out.append(Finding(
                 id=f"crashed-process:rank-{rank}",  # (a trace of no calls, a job log's crash alone: the job's end)
                 severity=Severity.CRITICAL if not hang.finished or not len(trace.records) else Severity.ERROR,

@@ -292,20 +292,24 @@ def _wait_for_graph(trace: TraceSet, m: MatchResult, te: np.ndarray, pending: np
     pending_insts = np.unique(ix.inst[pending][ix.inst[pending] >= 0])
     details = instance_details(trace, ix, pending_insts)
     out_set = set(outstanding.tolist())
-    first_wait: dict[int, int] = {}  # rank -> the oldest row it waits in (kept only when that call is synchronous)
-    for row in sorted(pending.tolist()):
-        first_wait.setdefault(int(rec.rank[row]), row)
-    first_wait = {r: row for r, row in first_wait.items() if not rec.flags[row] & Flag.ASYNC}
+    # rank -> the oldest row it waits in (kept only when that call is synchronous)
+    order = np.sort(pending)
+    ranks, first = np.unique(rec.rank[order], return_index=True)  # (a rank's rows are contiguous, in seq order)
+    sync = (rec.flags[order[first]] & int(Flag.ASYNC)) == 0
+    first_wait = dict(zip(ranks[sync].tolist(), order[first][sync].tolist(), strict=True))
     waits: dict[int, list[Wait]] = {}
     label_of = functools.partial(record_label, trace)
-    for row in pending.tolist():
-        rank = int(rec.rank[row])
+    # (the pending rows' fields as Python lists: tens of thousands of rows at large scale, read one by one)
+    columns = zip(pending.tolist(), rec.rank[pending].tolist(), ix.inst[pending].tolist(), ix.pair[pending].tolist(),
+                  (rec.op[pending] == Op.SEND).tolist(), rec.peer[pending].tolist(), te[pending].tolist(),
+                  (rec.state[pending] == State.FAILED).tolist(), strict=True)
+    blocked = RankStatus.BLOCKED
+    for row, rank, i, p, is_send, peer, t_entered, failed in columns:
         if rank in culprits:  # it stopped running: it waits for nothing, the others wait for it
             continue
-        status[rank] = RankStatus.BLOCKED
+        status[rank] = blocked
         graph.add_node(rank)
         target: Hashable | None = None
-        i, p = int(ix.inst[row]), int(ix.pair[row])
         if i >= 0:
             target = ("inst", i)
             if target not in graph:
@@ -316,14 +320,12 @@ def _wait_for_graph(trace: TraceSet, m: MatchResult, te: np.ndarray, pending: np
                 for member in _queued_behind(details[i], first_wait, culprits):
                     graph.add_edge(target, member)
         elif p >= 0:
-            is_send = rec.op[row] == Op.SEND
             other = int(ix.recv_row[p] if is_send else ix.send_row[p])
-            peer = int(rec.peer[row])
             if other < 0 or peer in culprits:
                 target = peer
             else:
                 target = ("link", rank, peer) if is_send else ("link", peer, rank)
-        wait = Wait(rank, row, int(te[row]), bool(rec.state[row] == State.FAILED), row in out_set, target, label_of)
+        wait = Wait(rank, row, t_entered, failed, row in out_set, target, label_of)
         waits.setdefault(rank, []).append(wait)
         if target is not None:
             graph.add_edge(rank, target, wait=wait)
