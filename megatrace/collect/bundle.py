@@ -196,7 +196,7 @@ class BundleWriter:
         self._incoming: dict[int, _Incoming] = {}  # nodes whose stream is being written, by key (MPI rank)
         self._extra: dict[str, safefs.OutDir] = {}  # nodes/<node>/ directories opened for name clashes
         self.placed = [0, 0]  # files and bytes the nodes wrote into rings/ themselves
-        self.pack = _PackWriter(self.out, self.packing)  # tails.pack: the tails of the rings in rings/ (trace/tail_pack.py)
+        self.pack = _PackWriter(self.out, self.packing)  # tails.pack: the tails of the rings in rings/
         self.transfer: dict[str, Any] = {}  # how the gather moved them (set by the collector)
 
     # -- arrival ------------------------------------------------------------

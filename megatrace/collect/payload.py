@@ -3,10 +3,10 @@
 A node's stream is a sequence of messages, each far below MPI's 2 GiB count limit and the issue's
 256 MiB bound, so that neither a group leader nor the root ever holds more than one of them::
 
-    header   b"MTHEAD3\n" | zlib(JSON {node, error, facts, files: [{name, size, sha256, placed}, ...]})
-    chunk    b"MTDATA3\n" | u32 file index | u64 offset | zlib(at most CHUNK_BYTES of that file)
-    end      b"MTFEND3\n" | u32 file index | u64 size | sha256 (32 bytes)
-    tail     b"MTTAIL3\n" | u32 file index | the file's entry in the bundle's tails pack (trace/tail_pack.py)
+    header   b"MTHEAD3\\n" | zlib(JSON {node, error, facts, files: [{name, size, sha256, placed}, ...]})
+    chunk    b"MTDATA3\\n" | u32 file index | u64 offset | zlib(at most CHUNK_BYTES of that file)
+    end      b"MTFEND3\\n" | u32 file index | u64 size | sha256 (32 bytes)
+    tail     b"MTTAIL3\\n" | u32 file index | the file's entry in the bundle's tails pack (trace/tail_pack.py)
 
 A file the node wrote into the bundle itself (a job directory every node sees: ``placed`` is its path
 in the bundle, with its size and sha256) has no chunks; every other file follows the header, in the
