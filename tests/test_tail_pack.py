@@ -97,7 +97,11 @@ def test_a_pack_older_than_rings_or_not_a_pack_is_not_used(tmp_path: Path) -> No
     huge = tail_pack.MAGIC + tail_pack.pack_entry("rank-00000.meta.jsonl", 1, 0, b"", bytes(1 << 20))
     many = tail_pack.MAGIC + b"".join(tail_pack.pack_entry(f"rank-{r:05d}.meta.jsonl", 1, 0, b"", b"x")
                                       for r in range(9, 30))  # more entries than four ranks have files
-    for data in (b"garbage", hostile, huge, many, good[:len(good) // 2], b""):
+    assert good.endswith(tail_pack.INDEX_MAGIC)  # (a reader reads the index, then only the entries it uses)
+    index_at = int.from_bytes(good[-16:-8], "little")
+    wild_index = good[:-16] + (len(good) * 2).to_bytes(8, "little") + tail_pack.INDEX_MAGIC  # points past the end
+    bad_row = good[:index_at] + bytes(len(good) - 16 - index_at) + good[-16:]  # rows that name nothing: read through
+    for data in (b"garbage", hostile, huge, many, good[:len(good) // 2], wild_index, bad_row, b""):
         pack.write_bytes(data)
         _same(quick, load_trace(bundle, tail=QUICK_TAIL))  # read from the rings, or from the whole entries
     # a ring replaced after the pack was written: rings/ is newer than the pack, which is no longer trusted

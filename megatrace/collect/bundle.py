@@ -124,6 +124,8 @@ class _PackWriter:
         self.fd = -1
         self.buffer = bytearray()
         self.names: set[str] = set()
+        self.rows: list[tuple[str, int, int]] = []  # its index: (name, where, length) of each entry
+        self.end = len(tail_pack.MAGIC)
         self.failed: str | None = None
 
     def add(self, name: str, size: int, entry: bytes) -> None:
@@ -131,6 +133,8 @@ class _PackWriter:
         if not self.enabled or name in self.names or self.failed or not _pack_entry_of(entry, name, size):
             return
         self.names.add(name)
+        self.rows.append((name, self.end, len(entry)))
+        self.end += len(entry)
         self.buffer += entry
         if len(self.buffer) >= self.FLUSH_BYTES:
             self._flush()
@@ -149,8 +153,9 @@ class _PackWriter:
         self.buffer = bytearray()
 
     def close(self, problems: list[str]) -> None:
-        """Write what is left; the pack's time is then the moment it was known to describe rings/."""
-        if self.buffer:
+        """Write what is left and the index; the pack's time is then the moment it was known to describe rings/."""
+        if self.rows and not self.failed:
+            self.buffer += tail_pack.pack_index(self.rows, self.end)
             self._flush()
         if self.fd >= 0:
             try:

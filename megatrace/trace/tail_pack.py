@@ -7,11 +7,14 @@ quick analysis of the bundle then opens one file instead of two per rank (32,768
 filesystem: one open, not 65,536). A ring the pack lacks, one whose tail in the pack is too short for
 the load, or every ring when the pack is older than ``rings/``, is read from ``rings/`` as before::
 
-    pack    b"MTTAILP1" | entry | entry | ...
+    pack    b"MTTAILP1" | entry | entry | ... | index | u64 where the index starts | b"MTTAILX1"
     entry   u32 length of what follows | u16 name length | name | u64 file size | u64 first seq
             | u32 header length | header | rows (a ring: the slots of seqs first, first + 1, ...) or the file
+    index   per entry: u16 name length | name | u64 where the entry starts | u32 its length
 
-Entries are whole or absent: a pack cut short (a root stopped while writing it) keeps its whole entries.
+A reader reads the index, then the entries it uses: not the whole pack. Entries are whole or absent: a
+pack cut short (a root stopped while writing it, before its index) is indexed by reading it through,
+and keeps its whole entries.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from megatrace.trace.ring_io import COUNTER_LIMIT, slot_runs
 
 PACK_NAME = "tails.pack"
 MAGIC = b"MTTAILP1"
+INDEX_MAGIC = b"MTTAILX1"
+_INDEX_ROW = struct.Struct("<QI")
+_TRAILER = struct.Struct("<Q8s")
 PACK_TAIL = 128  # records per ring: the quick load's tail (megatrace.load.directory.QUICK_TAIL)
 META_PACK_LIMIT = 64 << 10  # a meta file is a few KiB; a larger one is read from rings/
 ENTRY_OVERHEAD = 512  # an entry's length fields and name, rounded up
@@ -157,12 +163,23 @@ def parse_pack(data: bytes) -> dict[str, PackedFile]:
     if not data.startswith(MAGIC):
         raise ValueError("not a MegaTrace tails pack")
     view = memoryview(data)
+    if data.endswith(INDEX_MAGIC) and len(data) >= len(MAGIC) + _TRAILER.size:  # (the entries end at the index)
+        view = view[:min(_TRAILER.unpack_from(data, len(data) - _TRAILER.size)[0], len(data))]
     out: dict[str, PackedFile] = {}
     at = len(MAGIC)
     while (got := _entry_at(view, at)) is not None:
         name, entry, at = got
         out.setdefault(name, entry)
     return out
+
+
+def pack_index(rows: list[tuple[str, int, int]], at: int) -> bytes:
+    """The index and trailer of a pack whose entries (name, where, length) end at byte ``at``."""
+    out = bytearray()
+    for name, offset, length in rows:
+        raw = name.encode()
+        out += struct.pack("<H", len(raw)) + raw + _INDEX_ROW.pack(offset, length)
+    return bytes(out) + _TRAILER.pack(at, INDEX_MAGIC)
 
 
 class TailPack(Mapping[str, PackedFile]):
@@ -172,15 +189,50 @@ class TailPack(Mapping[str, PackedFile]):
     SCAN_BYTES = 8 << 20
 
     def __init__(self, fd: int, max_entries: int) -> None:
-        """Index the pack open at ``fd`` (which it then owns). Raises ValueError for a file that is not a pack, or
-        one with more than ``max_entries`` entries (a pack holds two per ring at most)."""
+        """Index the pack open at ``fd`` (which it then owns): from its index, else by reading it through. Raises
+        ValueError for a file that is not a pack, or one with more than ``max_entries`` entries (a pack holds two
+        per ring at most)."""
         self.fd = fd
         self.index: dict[str, tuple[int, int]] = {}
         if os.pread(fd, len(MAGIC), 0) != MAGIC:
             raise ValueError("not a MegaTrace tails pack")
+        size = os.fstat(fd).st_size
+        end = size
+        trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size) if size >= len(MAGIC) + _TRAILER.size else b""
+        if len(trailer) == _TRAILER.size and trailer.endswith(INDEX_MAGIC):
+            end = _TRAILER.unpack(trailer)[0]
+            if not len(MAGIC) <= end <= size - _TRAILER.size:
+                raise ValueError("its index is not within it")
+            if self._read_index(os.pread(fd, size - _TRAILER.size - end, end), end, max_entries):
+                return
+            self.index = {}
+        self._scan(end, max_entries)
+
+    def _read_index(self, data: bytes, end: int, max_entries: int) -> bool:
+        """Take the index ``data`` of a pack whose entries end at ``end``; False when it is not one."""
+        at = 0
+        while at < len(data):
+            if at + 2 > len(data):
+                return False
+            (name_len,) = struct.unpack_from("<H", data, at)
+            if at + 2 + name_len + _INDEX_ROW.size > len(data):
+                return False
+            name = data[at + 2:at + 2 + name_len].decode("utf-8", "replace")
+            offset, length = _INDEX_ROW.unpack_from(data, at + 2 + name_len)
+            if not len(MAGIC) <= offset <= offset + length <= end or not packed(name):
+                return False
+            self.index.setdefault(name, (offset, length))
+            if len(self.index) > max_entries:
+                raise ValueError(f"more than {max_entries} entries")
+            at += 2 + name_len + _INDEX_ROW.size
+        return True
+
+    def _scan(self, end: int, max_entries: int) -> None:
+        """Index the entries before byte ``end`` by reading them through (a pack without its index)."""
         base, block = len(MAGIC), b""
         largest = ENTRY_OVERHEAD + META_PACK_LIMIT + HEADER_USED + (PACK_TAIL + 2) * fmt.RECORD_SIZE
-        while chunk := os.pread(fd, self.SCAN_BYTES, base + len(block)):
+        while base + len(block) < end and (chunk := os.pread(self.fd, min(self.SCAN_BYTES, end - base - len(block)),
+                                                             base + len(block))):
             block += chunk
             at = 0
             while at + _ENTRY.size <= len(block):  # (each entry is checked whole when it is read)
