@@ -101,7 +101,16 @@ def test_a_pack_older_than_rings_or_not_a_pack_is_not_used(tmp_path: Path) -> No
     index_at = int.from_bytes(good[-16:-8], "little")
     wild_index = good[:-16] + (len(good) * 2).to_bytes(8, "little") + tail_pack.INDEX_MAGIC  # points past the end
     bad_row = good[:index_at] + bytes(len(good) - 16 - index_at) + good[-16:]  # rows that name nothing: read through
-    for data in (b"garbage", hostile, huge, many, good[:len(good) // 2], wild_index, bad_row, b""):
+    # an index whose rows point at the wrong entries, or into the middle of one: those files are read from rings/
+    opened = tail_pack.TailPack(os.open(pack, os.O_RDONLY), 100)
+    rows = dict(opened.index)
+    opened.close()
+    names = sorted(rows)
+    ring_names = [n for n in names if n.endswith(".ring")]
+    crossed = [(a, rows[b][0], rows[b][1]) for a, b in zip(ring_names, ring_names[1:] + ring_names[:1])]  # 0 -> 1
+    shifted = [(n, rows[n][0] + 3, rows[n][1]) for n in names]
+    misled = [good[:index_at] + tail_pack.pack_index(r, index_at) for r in (crossed, shifted)]
+    for data in (b"garbage", hostile, huge, many, good[:len(good) // 2], wild_index, bad_row, *misled, b""):
         pack.write_bytes(data)
         _same(quick, load_trace(bundle, tail=QUICK_TAIL))  # read from the rings, or from the whole entries
     # a ring replaced after the pack was written: rings/ is newer than the pack, which is no longer trusted

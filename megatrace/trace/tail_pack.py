@@ -249,9 +249,14 @@ class TailPack(Mapping[str, PackedFile]):
             base, block = base + at, block[at:]
 
     def __getitem__(self, name: str) -> PackedFile:
+        """The entry of ``name``; KeyError when the pack has none, or none that is whole and of that name (the
+        file is then read from rings/)."""
         offset, length = self.index[name]
-        got = _entry_at(memoryview(os.pread(self.fd, length, offset)), 0)
-        if got is None:
+        try:
+            got = _entry_at(memoryview(os.pread(self.fd, length, offset)), 0)
+        except (OSError, ValueError):
+            got = None
+        if got is None or got[0] != name:
             raise KeyError(name)
         return got[1]
 
