@@ -196,11 +196,17 @@ def test_no_side_holds_a_whole_ring_whatever_its_size(tmp_path: Path, monkeypatc
     monkeypatch.setattr(payload, "CHUNK_BYTES", 1 << 20)
     monkeypatch.setattr(node_mod, "READ_BYTES", 1 << 20)
     ring = 48 << 20
-    snap = _snap(tmp_path, ring_bytes=ring)
+    src = tmp_path / "nodeA"
+    src.mkdir()
+    with open(src / "rank-00000.ring", "wb") as fh:  # (written a MiB at a time: nothing of it held here)
+        for _ in range(ring >> 20):
+            fh.write(os.urandom(1 << 20))
+    (src / "rank-00000.meta.jsonl").write_bytes(b'{"kind":"process"}\n')
     writer = _shared_bundle(tmp_path)
     tracemalloc.start()
     try:
-        placed, _ = place_files(snap, str(writer.path), "n0nce", None)  # the node writes it into the bundle
+        snap = snapshot_node(str(src), "nodeA", stacks=False, system=False)  # the snapshot, then the node
+        placed, _ = place_files(snap, str(writer.path), "n0nce", None)  # writes it into the bundle
         placing = tracemalloc.get_traced_memory()[1]
         tracemalloc.reset_peak()
         other = BundleWriter(tmp_path / "streamed", "j")
