@@ -133,13 +133,40 @@ def test_rings_hold_every_call_torch_counted(healthy: tuple[str, DemoResult]) ->
 
 
 @pytest.mark.slow
-def test_healthy_analysis_names_no_hang_and_no_straggler(healthy: tuple[str, DemoResult]) -> None:
+def test_healthy_analysis_names_no_hang_and_no_straggler(healthy: tuple[str, DemoResult], tmp_path: Path) -> None:
     _, result = healthy
-    proc = subprocess.run([sys.executable, "-m", "megatrace.cli", "analyze", str(result.out), "--no-report"],
+    findings = _analyse(result.out)
+    kinds = {f["kind"] for f in findings}
+    assert not {k for k in kinds if "hang" in k or "stall" in k}, kinds
+    slow = _stragglers(findings)
+    if slow:
+        # On a shared 2-core host a healthy rank can be kept off the CPU for a whole run (CI saw one compute
+        # 16% slower in 7 of 7 steps): the trace shows it slower, rightly. A false positive of the analysis
+        # would name it again on the same engine's next healthy run; the host's scheduler picks anew.
+        engine = healthy[0]
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in reference_env(tmp_path / "reference").items():
+                mp.setenv(key, value)
+            again = demo(tmp_path / "again", engine, steps=HEALTHY_STEPS, stall_s=10.0)
+        assert again.ok, again.message
+        assert not slow & _stragglers(_analyse(again.out)), (slow, kinds)
+
+
+def _analyse(out: Path) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "megatrace.cli", "analyze", str(out), "--no-report"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    kinds = {f["kind"] for f in json.loads((result.out / "findings.json").read_text())["findings"]}
-    assert not {k for k in kinds if "hang" in k or "straggler" in k or "stall" in k}, kinds
+    return json.loads((out / "findings.json").read_text())["findings"]
+
+
+def _stragglers(findings: list[dict]) -> set[int]:
+    """The ranks the straggler findings name."""
+    out: set[int] = set()
+    for f in findings:
+        if "straggler" in f["kind"]:
+            subject = f.get("subject") or {}
+            out.update([subject["rank"]] if subject.get("rank") is not None else subject.get("ranks") or [-1])
+    return out
 
 
 # -- faults ---------------------------------------------------------------------------------------------
