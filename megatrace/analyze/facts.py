@@ -146,6 +146,7 @@ def _layout_facts(layout: Any, world_size: int | None, batch: Mapping[str, Any] 
 
 def _per_rank(process: Mapping[int, Mapping[str, Any]] | None, hosts: Mapping[int, str]) -> dict[str, Any]:
     out: dict[str, dict[int, Any]] = {}
+    redacted: dict[tuple, str] = {}
     for rank, facts in (process or {}).items():
         r = _int(rank)
         if r is None or not isinstance(facts, Mapping):
@@ -155,13 +156,25 @@ def _per_rank(process: Mapping[int, Mapping[str, Any]] | None, hosts: Mapping[in
             if value is None or value == "":
                 continue
             if key == "argv" and isinstance(value, list):
-                value = " ".join(redact_argv(value))  # no credential from a command line in any output
+                value = _argv_line(value, redacted)
             if isinstance(value, (dict, list)):
                 continue
             out.setdefault(key, {})[r] = value
     for rank, host in hosts.items():
         out.setdefault("host", {}).setdefault(rank, host)
     return out
+
+
+def _argv_line(argv: list, seen: dict[tuple, str]) -> str:
+    """``argv`` redacted and joined: no credential from a command line in any output. The ranks of a job share
+    one command line, so each distinct one is redacted once (``seen``)."""
+    if not all(type(a) is str for a in argv):  # (a hand-written meta file's odd argument)
+        return " ".join(redact_argv(argv))
+    key = tuple(argv)
+    line = seen.get(key)
+    if line is None:
+        line = seen[key] = " ".join(redact_argv(argv))
+    return line
 
 
 UNSET = "(unset)"  # how env_differs shows a rank that recorded its environment without the variable
