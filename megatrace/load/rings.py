@@ -27,14 +27,11 @@ from megatrace.trace.tail_pack import PackedFile
 
 @dataclass
 class RankRead:
-    """What one worker read for one rank."""
+    """What was read for one rank, as the :class:`Tally` counts it."""
 
     info: RankInfo
-    records: np.ndarray  # RECORD_DTYPE, sorted by seq
-    meta: list[dict]
     meta_found: bool
     meta_problems: list[str]
-    unknown_gids: list[int]  # group ids used in records but absent from the rank's own meta
     damage: str
 
 
@@ -42,10 +39,6 @@ def known_gids(entries: list[dict]) -> list[int]:
     """Group ids a rank's meta file declares."""
     return [e["gid"] for e in entries if e.get("kind") == "group" and isinstance(e.get("gid"), int)
             and 0 <= e["gid"] < 1 << 32]
-
-
-def _meta_path(rank: int, path: Path) -> Path:
-    return path.with_name(fmt.meta_name(rank)) if RING_RE.match(path.name) else path.with_suffix(".meta.jsonl")
 
 
 def _meta_path_str(rank: int, path: Path) -> str:
@@ -62,29 +55,12 @@ def damage(snap: RingSnapshot) -> str:
     return ""
 
 
-def _rank_read(rank: int, path: Path, snap: RingSnapshot) -> RankRead:
-    """One rank's snapshot plus its meta file."""
-    h, recs = snap.header, snap.records
-    meta_path = _meta_path(rank, path)
-    entries, meta_problems = read_meta(meta_path)
-    known = np.array(known_gids(entries), dtype=np.uint32)
-    gids = recs["group_id"][recs["op"] < fmt.Op.MARK_STEP]
-    left = gids[~np.isin(gids, known)] if len(known) else gids
-    unknown = np.unique(left).tolist() if len(left) else []
-    info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly, len(recs),
+def _rank_info(rank: int, path: Path, snap: RingSnapshot, n_records: int) -> RankInfo:
+    """What the loaded trace keeps of one rank's ring (``n_records`` of its records loaded)."""
+    h = snap.header
+    return RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly, n_records,
                     snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns, snap.dropped - snap.overwritten,
                     heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns, signal_ns=h.signal_ns)
-    return RankRead(info, recs, entries, meta_path.exists(),
-                     [str(p) for p in meta_problems if p.severity == "error"], unknown, damage(snap))
-
-
-def _read_rank(rank: int, path: Path) -> RankRead | str:
-    """Read one ring and its meta file; a string is the reason it is unreadable."""
-    try:
-        snap = read_ring(path)
-    except (RingFormatError, OSError) as exc:
-        return str(exc)
-    return _rank_read(rank, path, snap)
 
 
 @dataclass
@@ -143,15 +119,23 @@ class RecordColumns:
         self.n = 0
 
     def append(self, rank: int, recs: np.ndarray) -> None:
-        end = self.n + len(recs)
+        self.extend([rank], [recs])
+
+    def extend(self, ranks: list[int], parts: list[np.ndarray]) -> None:
+        """Append the rows ``parts[k]`` (records with every column but ``rank``, one dtype) of ``ranks[k]``, in one
+        copy per column (the ranks of a batch together: thousands of small copies cost more than the bytes)."""
+        counts = [len(p) for p in parts]
+        end = self.n + sum(counts)
         if end > len(self.data["rank"]):
-            for name, col in self.data.items():
-                grown = np.empty(max(end, 2 * len(col)), col.dtype)
-                grown[:self.n] = col[:self.n]
-                self.data[name] = grown
-        for name, col in self.data.items():
-            col[self.n:end] = rank if name == "rank" else recs[name]
+            self.data = {name: _grown(col, self.n, max(end, 2 * len(col))) for name, col in self.data.items()}
+        if end > self.n:
+            _copy_columns(np.concatenate(parts) if len(parts) > 1 else parts[0], self.data, self.n)
+            self.data["rank"][self.n:end] = np.repeat(np.array(ranks, np.int32), counts)
         self.n = end
+
+    def filled(self) -> dict[str, np.ndarray]:
+        """The columns' rows appended so far (views)."""
+        return {name: col[:self.n] for name, col in self.data.items()}
 
     def finish(self) -> Records:
         size = len(self.data["rank"])
@@ -166,27 +150,51 @@ class RecordColumns:
 Loaded = tuple[Records, list[RankInfo], dict[int, list[dict]], dict[int, set[int]]]
 
 
+FULL_BATCH = 32  # rings whose records are copied into the columns together (about 4 MiB of records at 2,048 each)
+
+
 def load_all(chosen: dict[int, Path], headers: dict[Path, RingHeader], tally: Tally) -> Loaded:
-    """Every record of the chosen rings, rank by rank."""
+    """Every record of the chosen rings, rank by rank, and their meta files."""
     # Columns are filled in place, sized from the headers (at most capacity, at most write_counter + 1
     # records per ring): many small per-rank arrays would fragment the heap and double the peak memory.
     columns = RecordColumns(sum(min(headers[p].write_counter + 1, headers[p].capacity) for p in chosen.values()))
-    infos: list[RankInfo] = []
-    metas: dict[int, list[dict]] = {}
-    used: dict[int, set[int]] = {}
+    read: list[tuple[RankInfo, str]] = []
+    meta_paths: list[str] = []
+    meta_data: list[bytes | None] = []
+    ranks: list[int] = []
+    parts: list[np.ndarray] = []
     # Sequential on purpose: read_ring is bound by the interpreter, threads measured no faster.
     for rank, path in sorted(chosen.items()):
-        got = _read_rank(rank, path)
-        if isinstance(got, str):
-            tally.unreadable.append(got)
+        try:
+            snap = read_ring(path)
+        except (RingFormatError, OSError) as exc:
+            tally.unreadable.append(str(exc))
             continue
-        columns.append(rank, got.records)
-        infos.append(got.info)
-        metas[rank] = got.meta
-        for gid in got.unknown_gids:
-            used.setdefault(gid, set()).add(rank)
-        tally.add(got)
-    return columns.finish(), infos, metas, used
+        read.append((_rank_info(rank, path, snap, len(snap.records)), damage(snap)))
+        ranks.append(rank)
+        parts.append(snap.records)
+        if len(parts) == FULL_BATCH:
+            columns.extend(ranks, parts)
+            ranks, parts = [], []
+        meta_paths.append(_meta_path_str(rank, path))
+        try:
+            meta_data.append(_read_file(meta_paths[-1]))
+        except OSError:
+            meta_data.append(None)  # read_meta says why, later
+    columns.extend(ranks, parts)
+    return _with_metas(columns.finish(), read, meta_paths, meta_data, tally)
+
+
+def _with_metas(records: Records, read: list[tuple[RankInfo, str]], meta_paths: list[str],
+                meta_data: list[bytes | None], tally: Tally) -> Loaded:
+    """The loaded ranks (``read``: each one's info and damage, in the order of its rows) with their meta files
+    (their paths and bytes) parsed together, counted in ``tally``, and the groups used in records undeclared."""
+    metas: dict[int, list[dict]] = {}
+    for (info, harm), (entries, problems, found) in zip(read, _read_metas(meta_paths, meta_data), strict=True):
+        metas[info.rank] = entries
+        tally.add(RankRead(info, found, [str(p) for p in problems if p.severity == "error"], harm))
+    infos = [info for info, _ in read]
+    return records, infos, metas, _unknown_groups(records, np.array([i.n_records for i in infos]), metas)
 
 
 def _copy_columns(recs: np.ndarray, columns: dict[str, np.ndarray], at: int) -> None:
@@ -275,40 +283,31 @@ def read_tail_columns(files: list[Path], tail: int, unreadable: list[str],
     """Every ring's tail and meta file, batch by batch (from the tails ``pack`` where it holds them), copied into
     the columns."""
     # Sized for every file's whole tail (pages never written cost nothing); grown if a huge ``tail`` was asked.
-    columns = {name: np.empty(len(files) * min(tail, 4096), dt) for name, dt in COLUMNS.items()}
+    columns = RecordColumns(len(files) * min(tail, 4096))
     rows: dict[Path, tuple[int, int]] = {}
     snaps: dict[Path, RingSnapshot] = {}
     metas: dict[Path, bytes | None] = {}
     meta_paths: dict[Path, str] = {}
-    n = 0
     for lo in range(0, len(files), TAIL_BATCH):
         batch = files[lo:lo + TAIL_BATCH]
         got_snaps, got_metas, got_paths = _read_batch(batch, tail, pack)
         parts: list[np.ndarray] = []
         ranks: list[int] = []
-        counts: list[int] = []
-        at = n
+        at = columns.n
         for path, got, meta, meta_path in zip(batch, got_snaps, got_metas, got_paths, strict=True):
             if not isinstance(got, RingSnapshot):
                 unreadable.append(str(got))
                 continue
-            k = len(got.records)
-            parts.append(np.ascontiguousarray(got.records).view(np.uint8))
-            rows[path] = (at, k)
-            at += k
+            parts.append(got.records)
+            rows[path] = (at, len(got.records))
+            at += len(got.records)
             ranks.append(got.header.rank)
-            counts.append(k)
-            got.records = _NO_RECORDS  # (no reference to read_tails' buffer)
+            got.records = _NO_RECORDS  # (no reference to read_tails' buffer once copied)
             snaps[path] = got
             metas[path] = meta
             meta_paths[path] = meta_path
-        if at > len(columns["rank"]):
-            columns = {name: _grown(col, n, max(at, 2 * len(col))) for name, col in columns.items()}
-        if at > n:
-            _copy_columns(np.concatenate(parts).view(RECORD_DTYPE), columns, n)
-            columns["rank"][n:at] = np.repeat(np.array(ranks, dtype=np.int32), counts)
-            n = at
-    return TailColumns({name: col[:n] for name, col in columns.items()}, rows, snaps, metas, meta_paths)
+        columns.extend(ranks, parts)
+    return TailColumns(columns.filled(), rows, snaps, metas, meta_paths)
 
 
 def _grown(col: np.ndarray, used: int, size: int) -> np.ndarray:
@@ -379,20 +378,10 @@ def load_tails(chosen: dict[int, Path], tails: TailColumns, tally: Tally) -> Loa
     else:  # files of another job, duplicates, or renamed files: keep the chosen ones, in rank order
         take = np.concatenate([np.arange(a, a + k) for a, k in spans]) if spans else np.empty(0, np.int64)
         records = Records(**{name: col[take] for name, col in tails.columns.items()})
-    infos: list[RankInfo] = []
-    metas: dict[int, list[dict]] = {}
-    read = _read_metas([tails.meta_paths[path] for _, path in order], [tails.metas[path] for _, path in order])
-    for (rank, path), (entries, meta_problems, found) in zip(order, read, strict=True):
-        snap, h = tails.snaps[path], tails.snaps[path].header
-        info = RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly,
-                        tails.rows[path][1], snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns,
-                        snap.dropped - snap.overwritten, heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns,
-                        signal_ns=h.signal_ns)
-        infos.append(info)
-        metas[rank] = entries
-        tally.add(RankRead(info, _NO_RECORDS, entries, found, [str(p) for p in meta_problems if p.severity == "error"],
-                            [], damage(snap)))
-    return records, infos, metas, _unknown_groups(records, np.array([i.n_records for i in infos]), metas)
+    read = [(_rank_info(rank, path, tails.snaps[path], tails.rows[path][1]), damage(tails.snaps[path]))
+            for rank, path in order]
+    return _with_metas(records, read, [tails.meta_paths[path] for _, path in order],
+                       [tails.metas[path] for _, path in order], tally)
 
 
 def _unknown_groups(records: Records, counts: np.ndarray, metas: dict[int, list[dict]]) -> dict[int, set[int]]:
