@@ -59,3 +59,54 @@ def test_both_writers_reject_out_of_range_fields(tmp_path: Path, native: bool, a
     writer = RingWriter(tmp_path, RingIdentity(rank=0, world_size=1), capacity=16, use_native=native)
     with pytest.raises((OverflowError, struct.error)):
         writer.begin(*args)
+
+
+def test_c_slot_checks_give_the_numpy_masks_on_damaged_slots(tmp_path: Path) -> None:
+    """A full read checks every slot in C (``validate_ring``): on a ring whose slots are torn, zeroed, moved,
+    of bad state or with padding set, its masks are exactly numpy's (``validate``, the fallback without C)."""
+    import numpy as np
+
+    from megatrace.trace import ring_format as fmt
+    from megatrace.trace.ring_records import validate, validate_ring
+
+    capacity = 256
+    writer = RingWriter(tmp_path, RingIdentity(rank=0, world_size=1), capacity=capacity, use_native=True)
+    for k in range(capacity + 100):  # lapped: slots hold records of two laps
+        handle = writer.begin(1 + k % 9, 7, k, 1 << (k % 40), -1, 0, 0)
+        if k % 3:
+            writer.complete(handle, 2 + k % 2)
+    writer.close()
+    body = np.fromfile(writer.path, np.uint8)[fmt.HEADER_SIZE:].reshape(capacity, fmt.RECORD_SIZE).copy()
+    rng = np.random.default_rng(7)
+    rows = rng.permutation(capacity)
+    body[rows[:40], rng.integers(0, 64, 40)] ^= rng.integers(1, 256, 40).astype(np.uint8)  # a flipped byte
+    body[rows[40:50]] = 0  # never written
+    body[rows[50:55]] = body[rows[55:60]]  # a record in another record's slot
+    body[rows[60:65], 56] = 7  # a state out of range (checksum fixed below for some)
+    body[rows[65:70], 57] = 1  # padding that the tail check covers
+    body[rows[70:72], 44:48] = 0  # head check zeroed
+    c_masks = validate_ring(body, capacity)
+    py_masks = validate(body, np.arange(capacity, dtype=np.uint64), capacity)
+    for name, c, py in zip(("empty", "head_ok", "tail_ok"), c_masks, py_masks, strict=True):
+        assert np.array_equal(c, py), name
+    assert c_masks[1].sum() < capacity - 40 and c_masks[0].sum() >= 10  # the damage was seen
+    assert validate_ring(body[:0], capacity)[0].shape == (0,)
+
+
+def test_c_slot_checks_refuse_bad_buffers() -> None:
+    import numpy as np
+
+    from megatrace.trace._ringfast import scan_slots
+
+    raw = np.zeros((4, 64), np.uint8)
+    masks = [np.empty(4, bool) for _ in range(3)]
+    with pytest.raises(ValueError, match="capacity"):
+        scan_slots(raw, 0, *masks)
+    with pytest.raises(ValueError, match="whole 64-byte rows"):
+        scan_slots(raw.reshape(-1)[:100], 4, *masks)
+    with pytest.raises(ValueError, match="one byte per row"):
+        scan_slots(raw, 4, np.empty(3, bool), *masks[1:])
+    with pytest.raises(TypeError):
+        scan_slots(raw, 4, *masks[:2])
+    scan_slots(raw, 4, *masks)
+    assert masks[0].all() and not masks[1].any() and not masks[2].any()

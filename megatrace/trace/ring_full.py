@@ -10,7 +10,7 @@ from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_header import (ReadProblem, RingHeader, RingSnapshot, geometry_error, parse_header,
                                          read_header_bytes, torn_problems, unreadable_problems)
 from megatrace.trace.ring_io import pread_all
-from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, validate
+from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, validate_ring
 
 
 def copy_full(fd: int, path: str) -> tuple[RingHeader, list[ReadProblem], SlotCopy]:
@@ -30,7 +30,7 @@ def copy_full(fd: int, path: str) -> tuple[RingHeader, list[ReadProblem], SlotCo
                                                f"slots {n_slots}..{cap - 1} are lost"))
     raw = np.frombuffer(body[:n_slots * fmt.RECORD_SIZE], dtype=np.uint8).reshape(n_slots, fmt.RECORD_SIZE).copy()
     slots = np.arange(n_slots, dtype=np.uint64)
-    empty, head_ok, tail_ok = validate(raw, slots, cap)
+    empty, head_ok, tail_ok = validate_ring(raw, cap)
 
     # A live writer may be mid-record: the slots that failed are read again, a few times. A re-read
     # may only return a record that fits this snapshot (at most one past its newest record):
@@ -80,15 +80,26 @@ def _drop_records_written_during_read(valid: np.ndarray, header: RingHeader) -> 
 def _valid_records(copy: SlotCopy, header: RingHeader) -> np.ndarray:
     """The records with a whole head, sorted by seq; those with a torn completion kept as entered."""
     records = copy.raw.view(RECORD_DTYPE).reshape(-1)
-    valid = records[copy.head_ok]
     torn_tail = copy.head_ok & ~copy.tail_ok
     if torn_tail.any():
         fixed = records[torn_tail].copy()
         fixed["state"] = fmt.State.ENQUEUED
         fixed["t_complete"] = 0
         valid = np.concatenate([records[copy.head_ok & copy.tail_ok], fixed])
-    valid = valid[np.argsort(valid["seq"], kind="stable")]  # 5x faster than sort(order=)
+    else:
+        valid = _rows(records, copy.head_ok)
+    seq = valid["seq"]
+    if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():  # (a lapped ring, or torn tails moved to the end)
+        valid = valid[np.argsort(seq, kind="stable")]  # 5x faster than sort(order=)
     return _drop_records_written_during_read(valid, header)
+
+
+def _rows(records: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``records[mask]``; a view when the rows are one run (a ring not lapped yet, or every slot of a lapped one)."""
+    rows = np.flatnonzero(mask)
+    if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows):
+        return records[int(rows[0]):int(rows[-1]) + 1]
+    return records[rows]
 
 
 def full_snapshot(path: str, header: RingHeader, problems: list[ReadProblem], copy: SlotCopy) -> RingSnapshot:
@@ -106,7 +117,7 @@ def full_snapshot(path: str, header: RingHeader, problems: list[ReadProblem], co
         dropped = max(dropped, held)
     # A copy of a live ring is not instantaneous: a slot copied before the writer lapped it
     # holds a record older than the window. It was overwritten: count it dropped, not kept.
-    valid = valid[valid["seq"] > dropped]
+    valid = valid[int(np.searchsorted(valid["seq"], dropped, side="right")):]  # (sorted by seq: a view)
     records = copy.raw.view(RECORD_DTYPE).reshape(-1)
     torn = np.flatnonzero(copy.head_ok & ~copy.tail_ok & (records["seq"] > dropped))
     problems += torn_problems(path, torn, records["seq"][torn])

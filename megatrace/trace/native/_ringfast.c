@@ -1,5 +1,5 @@
 /*
- * megatrace.trace._ringfast: the ring writer's hot path in C.
+ * megatrace.trace._ringfast: the ring writer's hot path in C, and the reader's slot checks.
  *
  * RingWriter (ring_writer.py) uses it when it was built and falls back to its
  * pure-Python twin otherwise; both write the same bytes (ring_record.h). Calls
@@ -341,8 +341,87 @@ static PyTypeObject FastRingType = {
     .tp_methods = FastRing_methods,
 };
 
+/* The reader's hot path: ring_records.validate() of a whole ring's slots, row i being slot i. */
+static int writable_mask(PyObject *obj, Py_buffer *view, Py_ssize_t n)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len != n) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "a mask must hold one byte per row");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *scan_slots(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer raw, mask[3];
+    unsigned long long capacity;
+    Py_ssize_t n, k = 0;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "scan_slots(raw, capacity, empty, head_ok, tail_ok)");
+        return NULL;
+    }
+    capacity = PyLong_AsUnsignedLongLong(args[1]);
+    if (capacity == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (capacity == 0) {
+        PyErr_SetString(PyExc_ValueError, "capacity must be at least 1");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &raw, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (raw.len % MT_RECORD_SIZE) {
+        PyBuffer_Release(&raw);
+        PyErr_SetString(PyExc_ValueError, "raw must hold whole 64-byte rows");
+        return NULL;
+    }
+    n = raw.len / MT_RECORD_SIZE;
+    for (; k < 3; k++)
+        if (writable_mask(args[2 + k], &mask[k], n) < 0)
+            goto done;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *row = raw.buf;
+    unsigned char *empty = mask[0].buf, *head_ok = mask[1].buf, *tail_ok = mask[2].buf;
+    for (Py_ssize_t i = 0; i < n; i++, row += MT_RECORD_SIZE) {
+        uint64_t w[8], seq;
+        uint32_t head_check, state_word, tail_check;
+        int64_t t_complete;
+        memcpy(w, row, sizeof w);
+        seq = w[0];
+        memcpy(&head_check, row + MT_HEAD_LEN, 4);
+        memcpy(&t_complete, row + MT_TAIL_OFFSET, 8);
+        memcpy(&state_word, row + MT_TAIL_OFFSET + 8, 4); /* the state byte and its padding, as the check covers */
+        memcpy(&tail_check, row + MT_TAIL_OFFSET + 12, 4);
+        empty[i] = (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) == 0;
+        head_ok[i] = seq > 0 && (seq - 1) % capacity == (uint64_t)i && mt_adler32(row, MT_HEAD_LEN) == head_check;
+        tail_ok[i] = mt_tail_check(t_complete, state_word, seq) == tail_check && row[MT_TAIL_OFFSET + 8] >= 1
+                     && row[MT_TAIL_OFFSET + 8] <= 3;
+    }
+    Py_END_ALLOW_THREADS
+done:
+    while (k-- > 0)
+        PyBuffer_Release(&mask[k]);
+    PyBuffer_Release(&raw);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"scan_slots", (PyCFunction)(void (*)(void))scan_slots, METH_FASTCALL,
+     "scan_slots(raw, capacity, empty, head_ok, tail_ok): ring_records.validate() of a whole ring's copy "
+     "(row i is slot i), its three masks written into the given one-byte-per-row buffers."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_ringfast", "C hot path of the MegaTrace ring writer.", -1, NULL,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_ringfast",
+    .m_doc = "C hot paths of the MegaTrace ring writer and reader.",
+    .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__ringfast(void)
