@@ -27,8 +27,10 @@ def analyze_bundle(writer: BundleWriter, mode: str, report: bool) -> dict[str, A
     analysis that fails is an ``error`` in that entry (it must never lose the collection)."""
     from megatrace.analyze.engine import analyze
     from megatrace.analyze.findings import findings_text
+    from megatrace.analyze.heap import keep_freed_memory
     from megatrace.analyze.summary import render_summary
 
+    keep_freed_memory()  # (the collection's last step: the process ends after it)
     t0 = time.perf_counter()
     out: dict[str, Any] = {"ran": True, "mode": mode}
     try:
