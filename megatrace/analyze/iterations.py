@@ -214,26 +214,40 @@ def compute_gaps(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarr
     gap = np.zeros(len(te), np.float32)
     for i0, i1 in rank_chunks(trace):
         lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
-        rows = lo + np.flatnonzero(role[lo:hi] != MARKER)
-        if len(rows) < 2:
+        keep = role[lo:hi] != MARKER
+        every = bool(keep.all())  # (no marker among these rows, the usual case: slices, no gathers)
+        rows = None if every else lo + np.flatnonzero(keep)
+        count = hi - lo if every else len(rows)
+        if count < 2:
             continue
-        pos = _positions(trace, i0, i1)[rows - lo] - i0
-        new = np.r_[True, pos[1:] != pos[:-1]]
+        pos = _positions(trace, i0, i1) - i0
+        t, end = (te[lo:hi], tc[lo:hi]) if every else (te[rows], tc[rows])
+        if not every:
+            pos = pos[rows - lo]
+        new = np.empty(count, bool)
+        new[0] = True
+        np.not_equal(pos[1:], pos[:-1], out=new[1:])
         heads = np.flatnonzero(new)
-        t = te[rows]
-        base = np.minimum.reduceat(t, heads)[np.cumsum(new) - 1]
+        base = np.repeat(np.minimum.reduceat(t, heads), np.diff(np.r_[heads, count]))
         local_te = t - base
-        local_end = np.maximum(tc[rows], t) - base  # no completion (0): the enqueue
+        local_end = np.maximum(end, t)  # no completion (0): the enqueue
+        local_end -= base
         span = int(local_end.max()) + 1
         if span * (i1 - i0) >= np.iinfo(np.int64).max // 2:  # bands would overflow: one rank at a time
             busy = np.empty_like(local_end)
-            for a, b in zip(heads.tolist(), heads[1:].tolist() + [len(rows)]):
+            for a, b in zip(heads.tolist(), heads[1:].tolist() + [count]):
                 busy[a:b] = np.maximum.accumulate(local_end[a:b])
         else:
-            band = pos.astype(np.int64) * span
-            busy = np.maximum.accumulate(local_end + band) - band
-        same = ~new[1:]
-        gap[rows[1:][same]] = np.maximum(local_te[1:][same] - busy[:-1][same], 0)
+            band = pos * span
+            local_end += band
+            busy = np.maximum.accumulate(local_end)
+            busy -= band
+        after = np.maximum(local_te[1:] - busy[:-1], 0).astype(np.float32)
+        after[new[1:]] = 0  # a rank's first row: nothing before it
+        if every:
+            gap[lo + 1:hi] = after
+        else:
+            gap[rows[1:]] = after
     return gap
 
 
@@ -241,15 +255,19 @@ def _steps_from_ends(trace: TraceSet, ends: np.ndarray, end_step: np.ndarray, re
     """Each record belongs to the step of the next step-ending record of its rank (none after: -1)."""
     if not len(ends):
         return
+    n = len(record_step)
     end_pos = np.searchsorted(trace.starts, ends, side="right") - 1
-    for i0, i1 in rank_chunks(trace):
-        lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
-        rows = np.arange(lo, hi)
-        nxt = np.searchsorted(ends, rows)
-        inside = nxt < len(ends)
-        rank_pos = _positions(trace, i0, i1)
-        inside[inside] &= end_pos[nxt[inside]] == rank_pos[inside]
-        record_step[lo:hi][inside] = end_step[nxt[inside]]
+    # The next step-ending record is the same for every row of a run between two breaks (the row after an
+    # end, a rank's first row): one search per run, then the runs' steps repeated over their rows.
+    breaks = np.union1d(ends + 1, trace.starts[:-1])
+    breaks = breaks[breaks < n]
+    nxt = np.searchsorted(ends, breaks)
+    pos = np.searchsorted(trace.starts, breaks, side="right") - 1
+    step = np.full(len(breaks), -1, np.int64)
+    inside = np.flatnonzero(nxt < len(ends))
+    mine = inside[end_pos[nxt[inside]] == pos[inside]]
+    step[mine] = end_step[nxt[mine]]
+    record_step[:] = np.repeat(step, np.diff(np.r_[breaks, n]))  # (breaks start at row 0: the first rank's)
     # A wrapped ring (oldest records overwritten), or one loaded from its tail only, starts inside a step: that
     # first step is partial.
     tail_only = getattr(trace, "tail", None) is not None
