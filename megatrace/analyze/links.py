@@ -110,8 +110,9 @@ def collective_pairs(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Itera
     Every pair of members gets the group's figures (a collective's time cannot be pinned to one of its links);
     groups larger than :data:`MAX_PAIR_GROUP` are left out of the pair view.
     """
-    rows = np.flatnonzero((ix.inst >= 0) & np.isin(it.record_step, steps))
-    insts = np.unique(ix.inst[rows])
+    seen = np.zeros(ix.n_instances, bool)  # the instances entered in ``steps`` (marked, not sorted out)
+    seen[ix.inst[(ix.inst >= 0) & np.isin(it.record_step, steps)]] = True
+    insts = np.flatnonzero(seen)
     insts = insts[(c.complete & (c.n_members >= 2) & (c.last_complete > 0))[insts]]
     key = ix.inst_gidx[insts].astype(np.int64) * 65536 + c.op[insts]
     keys, meds, counts = _medians(key, (c.last_complete - c.last_enter)[insts])

@@ -117,8 +117,9 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
     the same number of calls are paired; only intervals of at least :data:`MIN_INTERVAL_NS` on the peers
     count. Fills ``intervals``, ``intervals_slower`` and ``interval_ratio`` of ``stats``.
     """
-    rec_step, steady = it.record_step, np.asarray(steps)
-    calls = it.roles != MARKER
+    if not steps:
+        return
+    column = steady_columns(it, steps)
     ranks = trace.ranks.tolist()
     for group in peer_groups(trace):
         members = [ranks[i] for i in group.tolist()]
@@ -127,16 +128,27 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
         rows = []
         for i in group.tolist():
             lo, hi = int(trace.starts[i]), int(trace.starts[i + 1])
-            mine = lo + np.flatnonzero(calls[lo:hi] & np.isin(rec_step[lo:hi], steady))
-            rows.append(mine)
-        counts = np.stack([np.bincount(np.searchsorted(steady, rec_step[r]), minlength=len(steady)) for r in rows])
+            rows.append(lo + np.flatnonzero(column[lo:hi] >= 0))
+        counts = np.stack([np.bincount(column[r], minlength=len(steps)) for r in rows])
         same = (counts == counts[0]).all(axis=0)
         if not same.any():
             continue
-        keep = [np.isin(rec_step[r], steady[same]) for r in rows]
-        g = np.stack([gap[r][k].astype(np.float64) for r, k in zip(rows, keep)])  # [members, paired calls]
-        for r, (_, ratio) in zip(members, _paired_ratios(g)):
-            _fill_intervals(stats[r], ratio)
+        g = np.stack([gap[r[same[column[r]]]].astype(np.float64) for r in rows])  # [members, paired calls]
+        ratios = [ratio for _, ratio in _paired_ratios(g)]
+        for r, ratio, median in zip(members, ratios, _medians_of(ratios), strict=True):
+            _fill_intervals(stats[r], ratio, median)
+
+
+def steady_columns(it: Iterations, steps: list[int]) -> np.ndarray:
+    """Per record: the index in ``steps`` (sorted) of its step when it is a call (not a marker) of one of them,
+    else -1 (int32; a table lookup, one pass)."""
+    rec_step = it.record_step
+    top = max(int(rec_step.max(initial=-1)), max(steps)) + 2
+    table = np.full(top, -1, np.int32)
+    table[np.asarray(steps, np.int64) + 1] = np.arange(len(steps), dtype=np.int32)
+    column = table[np.clip(rec_step, -1, None) + 1]
+    column[it.roles == MARKER] = -1
+    return column
 
 
 def _paired_ratios(g: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
@@ -151,11 +163,20 @@ def _paired_ratios(g: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
     return out
 
 
-def _fill_intervals(s: RankStats, ratio: np.ndarray | None) -> None:
-    """The call-by-call fields of ``s`` from its ratios to its peers (nothing when there are too few)."""
+def _medians_of(ratios: list[np.ndarray | None]) -> list[float | None]:
+    """``np.median`` of each array (None for None): of all at once when they are as long (a large group's members
+    share one reference), instead of one call per rank."""
+    if ratios and all(r is not None and len(r) == len(ratios[0]) for r in ratios):
+        return np.median(np.stack(ratios), axis=1).tolist()
+    return [None if r is None else float(np.median(r)) for r in ratios]
+
+
+def _fill_intervals(s: RankStats, ratio: np.ndarray | None, median: float | None = None) -> None:
+    """The call-by-call fields of ``s`` from its ratios to its peers (nothing when there are too few); ``median``:
+    theirs, when known."""
     if ratio is not None:
         s.intervals, s.intervals_slower = len(ratio), int((ratio > 1.0).sum())
-        s.interval_ratio = float(np.median(ratio))
+        s.interval_ratio = float(np.median(ratio)) if median is None else median
 
 
 def compare_calls(trace: TraceSet, roles: np.ndarray, gap: np.ndarray) -> dict[int, RankStats]:

@@ -31,7 +31,7 @@ import numpy as np
 from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.critical_path import what_if
 from megatrace.analyze.findings import Finding, Kind, Severity
-from megatrace.analyze.index import RecordIndex
+from megatrace.analyze.index import CHUNK, RecordIndex
 from megatrace.analyze.iterations import Iterations, compute_gaps, iterations_of, perf_kind
 from megatrace.analyze.links import PairStats, analyze_links, delay_matrix, link_finding, slow_rank_finding
 from megatrace.analyze.match import Collectives
@@ -218,16 +218,28 @@ def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterati
     rows, inst = rows[ok], inst[ok]
     if not len(rows):
         return None
-    order = np.lexsort((te[rows], inst))
-    rows, inst = rows[order], inst[order]
-    starts = np.flatnonzero(np.r_[True, np.diff(inst) != 0])
+    by_inst = np.argsort(inst, kind="stable")  # each instance's members together, in row order
+    rows, inst = rows[by_inst], inst[by_inst]
+    starts = np.flatnonzero(np.r_[True, inst[1:] != inst[:-1]])
     sizes = np.diff(np.r_[starts, len(rows)])
-    med_te = te[rows][starts + (sizes - 1) // 2]
-    last = rows[starts + sizes - 1]
+    last = np.empty(len(starts), np.int64)
+    med_te = np.empty(len(starts), te.dtype)
+    med_gap = np.empty(len(starts), gap.dtype)
+    # The instances of one size as a matrix, a row each, sorted along the rows (a stable sort keeps row order
+    # among equal times: the last arrival of a tie is the last member row); a handful of sizes (group sizes).
+    for k in np.unique(sizes).tolist():
+        of_size = np.flatnonzero(sizes == k)
+        for lo in range(0, len(of_size), max(1, CHUNK // k)):  # (temporaries of CHUNK rows at most)
+            which = of_size[lo:lo + max(1, CHUNK // k)]
+            member = rows[starts[which][:, None] + np.arange(k)]
+            t = te[member]
+            by_time = np.argsort(t, axis=1, kind="stable")
+            each = np.arange(len(which))
+            med_te[which] = t[each, by_time[:, (k - 1) // 2]]
+            last[which] = member[each, by_time[:, -1]]
+            # The last arrival's own compute before the call, beyond the (lower) median compute gap of the members.
+            med_gap[which] = np.sort(gap[member], axis=1)[:, (k - 1) // 2]
     lag = te[last] - med_te
-    # The last arrival's own compute before the call, beyond the (lower) median compute gap of the members.
-    by_gap = np.lexsort((gap[rows], inst))
-    med_gap = gap[rows][by_gap][starts + (sizes - 1) // 2]
     own = np.clip(gap[last] - med_gap, 0, lag)
     return rec.rank[last], lag, own, rows
 
