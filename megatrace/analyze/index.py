@@ -118,11 +118,12 @@ def _dense_ids(keys: np.ndarray, seqs: np.ndarray, n_keys: int) -> tuple[np.ndar
         slot = offset[k[sel]] + seqs[sl][sel]
         used[slot] = True
         ids[sl][sel] = slot
-    remap = (np.cumsum(used, dtype=np.int64) - 1).astype(ids.dtype)
-    for sl in chunks(n):
-        part = ids[sl]
-        sel = part >= 0
-        part[sel] = remap[part[sel]]
+    if not used.all():  # (every slot used, the usual case: the slots are the ids already)
+        remap = (np.cumsum(used, dtype=np.int64) - 1).astype(ids.dtype)
+        for sl in chunks(n):
+            part = ids[sl]
+            sel = part >= 0
+            part[sel] = remap[part[sel]]
     slot_key = np.repeat(np.arange(n_keys), span)
     slot_seq = np.arange(total) - base[slot_key] + smin[slot_key]
     return ids, slot_key[used], slot_seq[used]

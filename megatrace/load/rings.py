@@ -129,7 +129,10 @@ class RecordColumns:
         if end > len(self.data["rank"]):
             self.data = {name: _grown(col, self.n, max(end, 2 * len(col))) for name, col in self.data.items()}
         if end > self.n:
-            _copy_columns(np.concatenate(parts) if len(parts) > 1 else parts[0], self.data, self.n)
+            # (joined as plain bytes: numpy's concatenate of records compares their fields' dtypes, one by one)
+            joined = np.concatenate([np.ascontiguousarray(p).view(np.uint8) for p in parts]).view(parts[0].dtype) \
+                if len(parts) > 1 else parts[0]
+            _copy_columns(joined, self.data, self.n)
             self.data["rank"][self.n:end] = np.repeat(np.array(ranks, np.int32), counts)
         self.n = end
 
