@@ -109,23 +109,25 @@ def full_snapshot(path: str, header: RingHeader, problems: list[ReadProblem], co
     max_seq = int(valid["seq"][-1]) if len(valid) else 0
     max_seq = max(max_seq, min(header.write_counter, max_seq + 1))
     dropped = max(0, max_seq - cap)
+    # Every slot empty or whole and none raced (the usual copy): no torn or unreadable slot to look for.
+    odd = bool(raced.any()) or not (copy.empty | (copy.head_ok & copy.tail_ok)).all()
     # A slot torn when copied and refilled on a later lap by the re-read: the record it held in this
     # window, and every older one, are overwritten now (as in the tail read). Keeping the older ones
     # would leave a gap where that record was.
-    for slot in np.flatnonzero(raced):
+    for slot in np.flatnonzero(raced) if odd else ():
         held = max_seq - (max_seq - 1 - int(slot)) % cap  # the newest seq <= max_seq that lives in this slot
         dropped = max(dropped, held)
     # A copy of a live ring is not instantaneous: a slot copied before the writer lapped it
     # holds a record older than the window. It was overwritten: count it dropped, not kept.
     valid = valid[int(np.searchsorted(valid["seq"], dropped, side="right")):]  # (sorted by seq: a view)
-    records = copy.raw.view(RECORD_DTYPE).reshape(-1)
-    torn = np.flatnonzero(copy.head_ok & ~copy.tail_ok & (records["seq"] > dropped))
-    problems += torn_problems(path, torn, records["seq"][torn])
-    window = max_seq - dropped
-    lost = max(0, window - len(valid))
-    unreadable = np.flatnonzero(~copy.empty & ~copy.head_ok)
-    head_slot = (max_seq) % cap  # where the next record goes: a torn slot here is a record being written
-    live = not header.closed_cleanly  # after a clean close no record can be half-written: a bad slot is corrupt
-    in_flight = live & ((unreadable == head_slot) | (unreadable == (max_seq - 1) % cap))
-    problems += unreadable_problems(path, unreadable, raced[unreadable], in_flight)
+    lost = max(0, max_seq - dropped - len(valid))
+    if odd:
+        records = copy.raw.view(RECORD_DTYPE).reshape(-1)
+        torn = np.flatnonzero(copy.head_ok & ~copy.tail_ok & (records["seq"] > dropped))
+        problems += torn_problems(path, torn, records["seq"][torn])
+        unreadable = np.flatnonzero(~copy.empty & ~copy.head_ok)
+        head_slot = (max_seq) % cap  # where the next record goes: a torn slot here is a record being written
+        live = not header.closed_cleanly  # after a clean close no record can be half-written: a bad slot is corrupt
+        in_flight = live & ((unreadable == head_slot) | (unreadable == (max_seq - 1) % cap))
+        problems += unreadable_problems(path, unreadable, raced[unreadable], in_flight)
     return RingSnapshot(header, valid, problems, dropped, lost, overwritten=dropped)
