@@ -209,7 +209,8 @@ class TraceSet:
     time_base: str = "monotonic"  # "aligned" once clock alignment rewrote the time columns in place
     tail: int | None = None  # None: every record; K: only each rank's newest K records were loaded
     #                          (more for ranks whose tail had to be extended); see ``RankInfo.unread``
-    meta: dict[int, list[dict]] = field(default_factory=dict)  # each loaded rank's meta entries, as read
+    # each loaded rank's meta entries, as read (read-only: a line written by many ranks is one dict)
+    meta: dict[int, list[dict]] = field(default_factory=dict)
     source_format: str = "rings"  # the format it was read from: "rings" or an importer's ("flight-recorder", ...)
     world_source: str = "ring headers (torch.distributed world size)"  # where world_size came from
     init_markers: dict[int, InitMarker] = field(default_factory=dict)  # rank -> start marker (load/markers.py)
