@@ -10,7 +10,8 @@ times each, and prints one table: the best time of each mode, their ratio, the p
 name the same culprit, then the full analysis's report (render time, report.html and trace.json sizes),
 and the targets (hang localisation within 1 s at 4,096 ranks and within 10 s at 16,384 ranks, peak memory
 under 4 GiB; the full analysis within 3 s at 4,096 ranks and within 12 s and 2 GiB at 16,384) marked OK or
-MISSED. Each child process keeps the memory it frees, as ``megatrace analyze`` does (``analyze/heap.py``).
+MISSED. Each child process is tuned as ``megatrace analyze`` is (``analyze/heap.py``: freed memory kept, no
+cyclic garbage collection).
 At 4,096 and 16,384 ranks the last table times the commands as a user types them, whole processes
 (``bench/analyze_command.py``; ``--no-command`` leaves it out). The machine's load is printed too: on a
 shared machine, times vary from run to run.
@@ -43,25 +44,25 @@ TARGET_REPORT_MB = 5.0  # report.html at 16,384 ranks
 CHILD = r"""
 import json, resource, sys, time
 from megatrace.analyze.engine import analyze
-from megatrace.analyze.heap import keep_freed_memory
-keep_freed_memory()  # as `megatrace analyze` does
-c, t = time.process_time(), time.perf_counter()
-r = analyze(sys.argv[1], mode=sys.argv[2])
-wall, cpu = time.perf_counter() - t, time.process_time() - c
-top = r.findings[0]
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-report = {}
-if sys.argv[2] == "full":  # the report of the full analysis: render time and size (HTML + trace.json)
-    import os, tempfile
-    from megatrace.report.render import write_report
-    with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
-        html, trace = write_report(r.document(), os.path.join(tmp, "report.html"))
-        report = {"report_s": time.perf_counter() - t, "report_bytes": os.path.getsize(html),
-                  "trace_bytes": os.path.getsize(trace) if trace else 0,
-                  "report_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-print(json.dumps({"time": wall, "cpu": cpu, "timings": r.timings, "rss_mib": rss, "verdict": top.verdict, "kind": top.kind.value,
-                  "culprit": [top.subject.rank, list(top.subject.ranks)], "records": len(r.trace.records), **report}))
+from megatrace.analyze.heap import tuned_for_analysis
+with tuned_for_analysis():  # as `megatrace analyze` runs it
+    c, t = time.process_time(), time.perf_counter()
+    r = analyze(sys.argv[1], mode=sys.argv[2])
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    top = r.findings[0]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    report = {}
+    if sys.argv[2] == "full":  # the report of the full analysis: render time and size (HTML + trace.json)
+        import os, tempfile
+        from megatrace.report.render import write_report
+        with tempfile.TemporaryDirectory() as tmp:
+            t = time.perf_counter()
+            html, trace = write_report(r.document(), os.path.join(tmp, "report.html"))
+            report = {"report_s": time.perf_counter() - t, "report_bytes": os.path.getsize(html),
+                      "trace_bytes": os.path.getsize(trace) if trace else 0,
+                      "report_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    print(json.dumps({"time": wall, "cpu": cpu, "timings": r.timings, "rss_mib": rss, "verdict": top.verdict, "kind": top.kind.value,
+                      "culprit": [top.subject.rank, list(top.subject.ranks)], "records": len(r.trace.records), **report}))
 """
 
 

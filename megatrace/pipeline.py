@@ -27,34 +27,34 @@ def analyze_bundle(writer: BundleWriter, mode: str, report: bool) -> dict[str, A
     analysis that fails is an ``error`` in that entry (it must never lose the collection)."""
     from megatrace.analyze.engine import analyze
     from megatrace.analyze.findings import findings_text
-    from megatrace.analyze.heap import keep_freed_memory
+    from megatrace.analyze.heap import tuned_for_analysis
     from megatrace.analyze.summary import render_summary
 
-    keep_freed_memory()  # (the collection's last step: the process ends after it)
     t0 = time.perf_counter()
     out: dict[str, Any] = {"ran": True, "mode": mode}
-    try:
-        # Root reads through its own descriptor: a link put in place of the directory is not followed.
-        where = writer.out.fd_path if os.geteuid() == 0 else str(writer.path)
-        result = analyze(where, mode="hang" if mode == "quick" else "full")
-        doc = result.document()
-        trace = doc.setdefault("trace", {})
-        trace["path"] = str(writer.path)
-        # What the collection could not bring, in the words every reader of findings.json shows.
-        trace.setdefault("problems", []).extend(writer.collection_problems())
-        text = findings_text(doc, default=_plain)
-        writer.out.write("findings.json", text.encode(), replace=True)
-        summary = render_summary(result, writer.path)
-        writer.out.write("summary.txt", summary.encode() + b"\n", replace=True)
-        out["findings"] = "findings.json"
-        out["verdict"] = doc.get("verdict")
-        if doc.get("findings"):
-            top = doc["findings"][0]
-            out["verdict_finding"] = {k: top.get(k) for k in ("id", "severity", "kind", "subject")}
-        if report:
-            out["report"] = _report(writer, text)
-    except Exception as exc:  # analysis must never lose the collection
-        out["error"] = f"{type(exc).__name__}: {exc}"
+    with tuned_for_analysis():
+        try:
+            # Root reads through its own descriptor: a link put in place of the directory is not followed.
+            where = writer.out.fd_path if os.geteuid() == 0 else str(writer.path)
+            result = analyze(where, mode="hang" if mode == "quick" else "full")
+            doc = result.document()
+            trace = doc.setdefault("trace", {})
+            trace["path"] = str(writer.path)
+            # What the collection could not bring, in the words every reader of findings.json shows.
+            trace.setdefault("problems", []).extend(writer.collection_problems())
+            text = findings_text(doc, default=_plain)
+            writer.out.write("findings.json", text.encode(), replace=True)
+            summary = render_summary(result, writer.path)
+            writer.out.write("summary.txt", summary.encode() + b"\n", replace=True)
+            out["findings"] = "findings.json"
+            out["verdict"] = doc.get("verdict")
+            if doc.get("findings"):
+                top = doc["findings"][0]
+                out["verdict_finding"] = {k: top.get(k) for k in ("id", "severity", "kind", "subject")}
+            if report:
+                out["report"] = _report(writer, text)
+        except Exception as exc:  # analysis must never lose the collection
+            out["error"] = f"{type(exc).__name__}: {exc}"
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 

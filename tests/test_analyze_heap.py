@@ -1,12 +1,16 @@
-"""The analysing process keeps the memory it frees: a large array made again is not faulted in again."""
+"""The analysing process: it keeps the memory it frees (a large array made again is not faulted in again), and
+its cyclic garbage collector rests during the analysis only."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 
 import pytest
+
+from megatrace.analyze.heap import tuned_for_analysis
 
 CHILD = r"""
 import json, resource, sys
@@ -39,3 +43,44 @@ def test_an_array_made_again_is_not_faulted_in_again() -> None:
     assert plain["faults"][0] > 10 and min(plain["faults"][1:]) > plain["faults"][0] / 2
     # Kept: the first array is faulted in once; the next ones reuse its pages.
     assert kept["faults"][0] > 10 and max(kept["faults"][1:]) < kept["faults"][0] / 20
+
+
+def test_the_collector_rests_during_the_analysis_only() -> None:
+    assert gc.isenabled()
+    with tuned_for_analysis():
+        assert not gc.isenabled()
+    assert gc.isenabled()  # (a command run inside a test's process gives it back)
+    with pytest.raises(ValueError), tuned_for_analysis():
+        raise ValueError("an analysis that fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with tuned_for_analysis():
+            pass
+        assert not gc.isenabled()  # (off before: left off)
+    finally:
+        gc.enable()
+
+
+def test_the_analyze_command_runs_without_the_collector_and_gives_it_back(tmp_path, monkeypatch) -> None:
+    """The command (in this process, as click's runner runs it) analyses with the collector at rest."""
+    from click.testing import CliRunner
+
+    import megatrace.analyze.engine as engine
+    from megatrace.cli import main
+
+    seen: list[bool] = []
+    real = engine.analyze
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "analyze", spy)
+    trace = tmp_path / "sim"
+    runner = CliRunner()
+    assert runner.invoke(main, ["simulate", "--ranks", "16", "--tp", "2", "--pp", "2", "--records", "64",
+                                "--fault", "hang:rank=3,step=1", "-o", str(trace)]).exit_code == 0
+    got = runner.invoke(main, ["analyze", str(trace), "--no-report", "-o", str(tmp_path / "out")])
+    assert got.exit_code == 0, got.output
+    assert seen == [False] and gc.isenabled()

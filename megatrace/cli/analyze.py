@@ -94,7 +94,7 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
     """
     from megatrace.analyze.engine import LayoutSpec, analyze as run_analysis, output_dir
     from megatrace.analyze.findings import Severity
-    from megatrace.analyze.heap import keep_freed_memory
+    from megatrace.analyze.heap import tuned_for_analysis
     from megatrace.load import TraceLoadError
     from megatrace.analyze.summary import render_summary
     from megatrace.config import LayoutError
@@ -113,7 +113,7 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
     command = _analyze_command(trace_dir, layout_file, tp, pp, dp, quick, logs) + (
         f" --format {trace_format}" if trace_format != "auto" else "")  # for the report
 
-    keep_freed_memory()  # (this process ends after the analysis)
+    click.get_current_context().with_resource(tuned_for_analysis())  # until the command ends
 
     def run(mode: str) -> tuple[AnalysisResult, Path, str]:
         try:
