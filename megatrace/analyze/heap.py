@@ -1,11 +1,11 @@
 """A process that runs one analysis and ends: its allocator keeps what it frees, its cyclic collector rests.
 
-* **Freed memory kept** (glibc's allocator, for the rest of the process). An analysis makes and drops arrays of tens to hundreds of MiB
-  many times (columns, clock-aligned times, the index, per-step temporaries). By default glibc maps each
-  large one afresh and unmaps it when it is freed, so every new array is faulted in again, page by page: at
-  4,096 ranks a full analysis spent about a third of its time in the kernel doing that (80,000 page faults;
-  40,000 with this, the first touch of its peak). Peak memory stays what it was; the process keeps it until
-  it ends.
+* **Freed memory kept** (glibc's allocator, for the rest of the process). An analysis makes and drops
+  arrays of tens to hundreds of MiB many times (columns, clock-aligned times, the index, per-step
+  temporaries). By default glibc maps each large one afresh and unmaps it when it is freed, so every new
+  array is faulted in again, page by page: at 4,096 ranks a full analysis spent about a third of its time
+  in the kernel doing that (80,000 page faults; 40,000 with this, the first touch of its peak). Peak memory
+  stays what it was; the process keeps it until it ends.
 * **No cyclic garbage collection.** Loading 16,384 ranks makes hundreds of thousands of small objects (ranks'
   facts, meta entries, waits), and each of Python's full collections walks all of them: 8 full collections
   took 0.32 s of a 2.8 s quick analysis. Reference counting still frees everything that is not a cycle; a

@@ -119,7 +119,7 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
     """
     if not steps:
         return
-    column = steady_columns(it, steps)
+    column = _steady_columns(it, steps)
     ranks = trace.ranks.tolist()
     for group in peer_groups(trace):
         members = [ranks[i] for i in group.tolist()]
@@ -139,7 +139,7 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
             _fill_intervals(stats[r], ratio, median)
 
 
-def steady_columns(it: Iterations, steps: list[int]) -> np.ndarray:
+def _steady_columns(it: Iterations, steps: list[int]) -> np.ndarray:
     """Per record: the index in ``steps`` (sorted) of its step when it is a call (not a marker) of one of them,
     else -1 (int32; a table lookup, one pass)."""
     rec_step = it.record_step

@@ -42,7 +42,7 @@ def known_gids(entries: list[dict]) -> list[int]:
 
 
 def _meta_path_str(rank: int, path: Path) -> str:
-    """``_meta_path`` without building Path objects (thousands of ranks)."""
+    """The meta file of ``rank`` beside its ring file ``path`` (built as strings: thousands of ranks)."""
     name = path.name
     if RING_RE.match(name):
         return os.path.join(os.path.dirname(str(path)), fmt.meta_name(rank))
