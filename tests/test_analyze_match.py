@@ -83,6 +83,8 @@ def test_sends_pair_with_receives_by_direction_and_sequence(tmp_path: Path) -> N
     assert both.sum() == 7
     assert np.all(rec.rank[ix.send_row[both]] == rec.peer[ix.recv_row[both]])
     assert np.all(rec.group_seq[ix.send_row[both]] == rec.group_seq[ix.recv_row[both]])
+    order = np.lexsort((ix.pair_seq, ix.pair_chan))  # pair ids ascend by (channel, seq)
+    assert order.tolist() == list(range(ix.n_pairs)) and len(np.unique(ix.pair_chan)) == 4
     lone = np.flatnonzero(~both)[0]
     assert rec.rank[ix.send_row[lone]] == 2 and ix.recv_row[lone] == -1
     (mm,) = m.mismatches
@@ -106,3 +108,17 @@ def test_every_collective_instance_is_matched_once(tmp_path_factory, plan: list[
     per_group = np.bincount(m.index.inst_gidx, minlength=len(m.index.group_ids))
     assert {int(g): int(n) for g, n in zip(m.index.group_ids, per_group) if n} == expected
     assert np.all(c.n_entered == c.n_members)
+    ix = m.index  # instance ids ascend by (group, seq)
+    assert np.lexsort((ix.inst_seq, ix.inst_gidx)).tolist() == list(range(ix.n_instances))
+
+
+def test_sparse_sequence_numbers_keep_ids_ordered_by_key_and_seq() -> None:
+    """Sequence numbers too far apart for dense slots take the sorting path: the same ids, the same order."""
+    from megatrace.analyze.index import _dense_ids
+
+    keys = np.array([1, 0, -1, 1, 0, 1], np.int32)
+    for seqs in (np.array([3, 7, 0, 4, 8, 5], np.int64), np.array([3, 7, 0, 4, 10**9, 10**12], np.int64)):
+        ids, key_of, seq_of = _dense_ids(keys, seqs, 2)
+        assert ids[2] == -1
+        assert list(zip(key_of.tolist(), seq_of.tolist())) == sorted(zip(key_of.tolist(), seq_of.tolist()))
+        assert all((key_of[i], seq_of[i]) == (keys[r], seqs[r]) for r, i in enumerate(ids.tolist()) if i >= 0)

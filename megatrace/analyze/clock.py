@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatrace.analyze.index import RecordIndex, chunks, rank_positions
+from megatrace.analyze.index import RecordIndex, chunks, rank_positions, select_rows
 from megatrace.load.traceset import TraceSet
 from megatrace.trace.ring_format import Flag, State
 
@@ -69,14 +69,21 @@ def _anchor_offsets(trace: TraceSet) -> tuple[list[str], np.ndarray, np.ndarray]
 def _sample_rows(trace: TraceSet, ix: RecordIndex, rank_host: np.ndarray) -> np.ndarray:
     """Rows of completed, timed collective records, whole instances, at most about MAX_SAMPLES."""
     rec = trace.records
-    ok = (ix.inst >= 0) & (rec.state == State.COMPLETED) & (rec.t_complete > 0) \
-        & ((rec.flags & Flag.NO_COMPLETION) == 0)
-    rows = np.flatnonzero(ok)
-    if len(rows) > MAX_SAMPLES:
-        keep = MAX_SAMPLES / len(rows)
-        h = (ix.inst[rows].astype(np.uint64) * SAMPLE_HASH) >> np.uint64(11)
-        rows = rows[h.astype(np.float64) < keep * float(1 << 53)]
-    return rows
+
+    def usable(sl: slice) -> np.ndarray:
+        return (ix.inst[sl] >= 0) & (rec.state[sl] == State.COMPLETED) & (rec.t_complete[sl] > 0) \
+            & ((rec.flags[sl] & Flag.NO_COMPLETION) == 0)
+
+    total = sum(int(np.count_nonzero(usable(sl))) for sl in chunks(len(rec)))
+    if total <= MAX_SAMPLES:
+        return select_rows(len(rec), usable)
+    keep = MAX_SAMPLES / total
+
+    def sampled(sl: slice) -> np.ndarray:  # (the hash of the instance: a sampled instance keeps all its members)
+        h = (ix.inst[sl].astype(np.uint64) * SAMPLE_HASH) >> np.uint64(11)
+        return usable(sl) & (h.astype(np.float64) < keep * float(1 << 53))
+
+    return select_rows(len(rec), sampled)
 
 
 def _group_median(values: np.ndarray, groups: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:

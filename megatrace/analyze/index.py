@@ -14,7 +14,7 @@ bounded at 16,384 ranks; the ids are int32 (int64 beyond 2**31 records).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +44,13 @@ def chunks(n: int, size: int = CHUNK) -> Iterator[slice]:
         yield slice(lo, min(n, lo + size))
 
 
+def select_rows(n: int, mask_of: Callable[[slice], np.ndarray]) -> np.ndarray:
+    """The rows below ``n`` where ``mask_of(sl)``, the mask of the rows ``sl``, holds: chunk by chunk, so no mask
+    as long as the records is made; ascending, int32 (int64 beyond 2**31 records)."""
+    parts = [(sl.start + np.flatnonzero(mask_of(sl))).astype(_id_dtype(n)) for sl in chunks(n)]
+    return np.concatenate(parts) if parts else np.empty(0, _id_dtype(n))
+
+
 def rank_positions(starts: np.ndarray, sl: slice) -> np.ndarray:
     """For rows ``sl`` of a trace with row offsets ``starts``, the index of each row's rank."""
     r0 = int(np.searchsorted(starts, sl.start, side="right")) - 1
@@ -54,21 +61,25 @@ def rank_positions(starts: np.ndarray, sl: slice) -> np.ndarray:
 
 @dataclass
 class RecordIndex:
-    """Per-record matching keys and the tables they point into."""
+    """Per-record matching keys and the tables they point into.
+
+    Instance ids ascend by (group index, seq) and pair ids by (channel, seq): a group's instances, and a channel's
+    pairs, are one run of ids.
+    """
 
     group_ids: np.ndarray  # uint32, gidx -> gid (sorted)
     group_size: np.ndarray  # int64 per gidx (members in the group table)
     gidx: np.ndarray  # int32 per record; -1 for markers
     inst: np.ndarray  # int32/int64 per record: collective instance id, -1 for other records
-    inst_gidx: np.ndarray  # per instance
-    inst_seq: np.ndarray  # per instance
+    inst_gidx: np.ndarray  # per instance (int32)
+    inst_seq: np.ndarray  # per instance (the dtype of Records.group_seq)
     pair: np.ndarray  # int32/int64 per record: p2p pair id, -1 for other records
     chan_gidx: np.ndarray  # per channel
     chan_src: np.ndarray
     chan_dst: np.ndarray
-    pair_chan: np.ndarray  # per pair
-    pair_seq: np.ndarray  # per pair
-    send_row: np.ndarray  # per pair: row of the send record, -1 if none
+    pair_chan: np.ndarray  # per pair (int32)
+    pair_seq: np.ndarray  # per pair (as inst_seq)
+    send_row: np.ndarray  # per pair: row of the send record, -1 if none (int32, int64 beyond 2**31 records)
     recv_row: np.ndarray  # per pair: row of the recv record, -1 if none
 
     @property
@@ -97,18 +108,20 @@ def _dense_ids(keys: np.ndarray, seqs: np.ndarray, n_keys: int) -> tuple[np.ndar
     for sl in chunks(n):
         k = keys[sl]
         sel = k >= 0
-        np.minimum.at(smin, k[sel], seqs[sl][sel])
-        np.maximum.at(smax, k[sel], seqs[sl][sel])
+        v = seqs[sl][sel].astype(np.int64, copy=False)  # (as the tables: ufunc.at is slow across dtypes)
+        np.minimum.at(smin, k[sel], v)
+        np.maximum.at(smax, k[sel], v)
         rows += int(sel.sum())
     if not rows:
-        return ids, np.empty(0, np.int64), np.empty(0, np.int64)
+        return ids, np.empty(0, _id_dtype(n_keys)), np.empty(0, seqs.dtype)
     span = np.where(smax >= 0, smax - np.minimum(smin, smax) + 1, 0)
     total = int(span.sum())
+    key_dtype = _id_dtype(n_keys)  # (the tables per id as narrow as their values: seqs keep their dtype)
     if total > DENSE_SLACK * rows + 1024:  # sparse sequence numbers (corrupt or huge): sort instead
         sel = np.flatnonzero(keys >= 0)
         uniq, inv = np.unique(np.stack([keys[sel].astype(np.int64), seqs[sel]]), axis=1, return_inverse=True)
         ids[sel] = inv.reshape(-1)
-        return ids, uniq[0], uniq[1]
+        return ids, uniq[0].astype(key_dtype), uniq[1].astype(seqs.dtype)
     base = np.concatenate([[0], np.cumsum(span)[:-1]])
     offset = base - smin  # slot = offset[key] + seq
     used = np.zeros(total, bool)
@@ -124,9 +137,9 @@ def _dense_ids(keys: np.ndarray, seqs: np.ndarray, n_keys: int) -> tuple[np.ndar
             part = ids[sl]
             sel = part >= 0
             part[sel] = remap[part[sel]]
-    slot_key = np.repeat(np.arange(n_keys), span)
+    slot_key = np.repeat(np.arange(n_keys, dtype=key_dtype), span)
     slot_seq = np.arange(total) - base[slot_key] + smin[slot_key]
-    return ids, slot_key[used], slot_seq[used]
+    return ids, slot_key[used], slot_seq[used].astype(seqs.dtype)
 
 
 def _group_index(trace: TraceSet, gids: np.ndarray) -> np.ndarray:
@@ -172,8 +185,8 @@ def index_records(trace: TraceSet) -> RecordIndex:
     p_ids, pair_chan, pair_seq = _dense_ids(chan_of, rec.group_seq[p_rows], len(chans))
     pair = np.full(n, -1, p_ids.dtype)
     pair[p_rows] = p_ids
-    send_row = np.full(len(pair_chan), -1, np.int64)
-    recv_row = np.full(len(pair_chan), -1, np.int64)
+    send_row = np.full(len(pair_chan), -1, _id_dtype(n))
+    recv_row = np.full(len(pair_chan), -1, _id_dtype(n))
     send_row[p_ids[sends]] = p_rows[sends]
     recv_row[p_ids[~sends]] = p_rows[~sends]
     return RecordIndex(

@@ -23,7 +23,7 @@ import numpy as np
 
 from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.findings import Kind
-from megatrace.analyze.index import CHUNK, RecordIndex
+from megatrace.analyze.index import CHUNK, RecordIndex, chunks, rank_positions
 from megatrace.analyze.segments import (ACT_IN, ACT_OUT, DP, GRAD_IN, GRAD_OUT, MARKER, OTHER, P2P_ROLES, PP_OTHER,
                                         TP, RankSegments, Segmenter)
 from megatrace.config import Layout
@@ -119,26 +119,29 @@ def record_roles(trace: TraceSet, ix: RecordIndex, layout: Layout | None) -> np.
     """Per record: TP / DP collective, pipeline p2p direction (activation or gradient, in or out), marker, other."""
     rec = trace.records
     groles = group_roles(trace, ix, layout)
-    role = np.where(ix.gidx >= 0, groles[np.maximum(ix.gidx, 0)], OTHER).astype(np.int8)
-    role[rec.op >= Op.MARK_STEP] = MARKER
-    p2p = (rec.op == Op.SEND) | (rec.op == Op.RECV)
-    role[(role == TP) & p2p] = OTHER
-    role[(role == DP) & p2p] = OTHER
-    pp = role == PP_OTHER
-    role[pp & ~p2p] = OTHER
-    if layout is None:
-        return role
-    world = layout.world_size
-    stage = np.array([layout.coords(r).pp for r in range(world)], np.int64)
-    rows = np.flatnonzero(pp & p2p & (rec.peer >= 0) & (rec.peer < world) & (rec.rank < world))
-    me, other = stage[rec.rank[rows]], stage[rec.peer[rows]]
-    send = rec.op[rows] == Op.SEND
-    new = np.full(len(rows), PP_OTHER, np.int8)
-    new[~send & (other == me - 1)] = ACT_IN
-    new[send & (other == me + 1)] = ACT_OUT
-    new[~send & (other == me + 1)] = GRAD_IN
-    new[send & (other == me - 1)] = GRAD_OUT
-    role[rows] = new
+    role = np.empty(len(rec), np.int8)
+    world = layout.world_size if layout is not None else 0
+    stage = np.array([layout.coords(r).pp for r in range(world)], np.int64) if layout is not None else None
+    for sl in chunks(len(rec)):  # (chunk by chunk: no temporary as long as the records)
+        gidx, op = ix.gidx[sl], rec.op[sl]
+        part = np.where(gidx >= 0, groles[np.maximum(gidx, 0)], OTHER).astype(np.int8)
+        part[op >= Op.MARK_STEP] = MARKER
+        p2p = (op == Op.SEND) | (op == Op.RECV)
+        part[((part == TP) | (part == DP)) & p2p] = OTHER
+        pp = part == PP_OTHER
+        part[pp & ~p2p] = OTHER
+        if stage is not None:
+            peer, me_rank = rec.peer[sl], rec.rank[sl]
+            rows = np.flatnonzero(pp & p2p & (peer >= 0) & (peer < world) & (me_rank < world))
+            me, other = stage[me_rank[rows]], stage[peer[rows]]
+            send = op[rows] == Op.SEND
+            new = np.full(len(rows), PP_OTHER, np.int8)
+            new[~send & (other == me - 1)] = ACT_IN
+            new[send & (other == me + 1)] = ACT_OUT
+            new[~send & (other == me + 1)] = GRAD_IN
+            new[send & (other == me - 1)] = GRAD_OUT
+            part[rows] = new
+        role[sl] = part
     return role
 
 
@@ -263,11 +266,13 @@ def _steps_from_ends(trace: TraceSet, ends: np.ndarray, end_step: np.ndarray, re
     breaks = breaks[breaks < n]
     nxt = np.searchsorted(ends, breaks)
     pos = np.searchsorted(trace.starts, breaks, side="right") - 1
-    step = np.full(len(breaks), -1, np.int64)
+    step = np.full(len(breaks), -1, record_step.dtype)
     inside = np.flatnonzero(nxt < len(ends))
     mine = inside[end_pos[nxt[inside]] == pos[inside]]
     step[mine] = end_step[nxt[mine]]
-    record_step[:] = np.repeat(step, np.diff(np.r_[breaks, n]))  # (breaks start at row 0: the first rank's)
+    runs = np.r_[breaks, n]  # (breaks start at row 0: the first rank's)
+    for sl in chunks(n):  # each run's step over its rows
+        record_step[sl] = step[rank_positions(runs, sl)]
     # A wrapped ring (oldest records overwritten), or one loaded from its tail only, starts inside a step: that
     # first step is partial.
     tail_only = getattr(trace, "tail", None) is not None
@@ -327,13 +332,15 @@ def _per_step(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarray,
               notes: list[str]) -> Iterations:
     """Per rank and step: start, end, compute and DP arrival; keep the steps complete on every rank."""
     n_ranks = len(trace.ranks)
-    known = record_step >= 0
     empty = Iterations(method, np.zeros(0, np.int64), np.zeros((n_ranks, 0), np.int64),
                        np.zeros((n_ranks, 0), np.int64), np.zeros((n_ranks, 0), np.int64), record_step, role, mb,
                        dp_per_step, segments, notes=notes)
-    if not known.any():
+    k1 = int(record_step.max(initial=-1))
+    if k1 < 0:
         return empty
-    k0, k1 = int(record_step[known].min()), int(record_step[known].max())
+    k0 = k1
+    for sl in chunks(len(record_step)):
+        k0 = min(k0, int(np.min(record_step[sl], initial=k1, where=record_step[sl] >= 0)))
     n = k1 - k0 + 1
     gap = compute_gaps(trace, role, te, tc)
     count = np.zeros(n_ranks * n, np.int64)
@@ -345,14 +352,21 @@ def _per_step(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarray,
     gseq = trace.records.group_seq
     for i0, i1 in rank_chunks(trace):
         lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
-        rows = lo + np.flatnonzero(known[lo:hi])
+        rows = lo + np.flatnonzero(record_step[lo:hi] >= 0)
         cell = _positions(trace, i0, i1)[rows - lo] * n + record_step[rows].astype(np.int64) - k0
-        count += np.bincount(cell, minlength=n_ranks * n)
-        compute += np.bincount(cell, weights=gap[rows], minlength=n_ranks * n)
-        _cell_reduce(np.maximum, end, cell, np.maximum(tc[rows], te[rows]))
-        _cell_reduce(np.minimum, first, cell, te[rows])
+        heads = _cell_heads(cell)
+        if heads is not None:  # (the gaps are whole ns: their float sums do not depend on the order)
+            cells = cell[heads]
+            count[cells] += np.diff(np.r_[heads, len(cell)])
+            compute[cells] += np.add.reduceat(gap[rows].astype(np.float64), heads)
+        else:
+            count += np.bincount(cell, minlength=n_ranks * n)
+            compute += np.bincount(cell, weights=gap[rows], minlength=n_ranks * n)
+        t_enq = te[rows]
+        _cell_reduce(np.maximum, end, cell, np.maximum(tc[rows], t_enq), heads)
+        _cell_reduce(np.minimum, first, cell, t_enq, heads)
         dp = role[rows] == DP
-        _cell_reduce(np.minimum, arrival, cell[dp], te[rows][dp])
+        _cell_reduce(np.minimum, arrival, cell[dp], t_enq[dp])
         if dp_per_step:
             dp_end[cell[dp & (gseq[rows] % dp_per_step == 0) & (tc[rows] > 0)]] = True  # it completed
     arrival[arrival == np.iinfo(np.int64).max] = 0
@@ -377,17 +391,28 @@ def _per_step(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarray,
     start = np.where(np.arange(n)[None, :] > 0, np.roll(end, 1, axis=1), first)
     start = np.where(start > 0, start, first)
     steps = idx + k0
-    record_step[known & ~np.isin(record_step, steps)] = -1
+    for sl in chunks(len(record_step)):  # the records of a step left out lose it
+        part = record_step[sl]
+        part[(part >= 0) & ~np.isin(part, steps)] = -1
     return Iterations(method, steps, start[:, idx], end[:, idx], compute[:, idx].astype(np.int64), record_step,
                       role, mb, dp_per_step, segments, notes=notes, dp_arrival=arrival[:, idx], gap=gap)
 
 
-def _cell_reduce(ufunc: np.ufunc, out: np.ndarray, cell: np.ndarray, values: np.ndarray) -> None:
-    """``out[cell] = ufunc(out[cell], values)`` per cell: ``reduceat`` when cells come sorted (the usual case)."""
+def _cell_heads(cell: np.ndarray) -> np.ndarray | None:
+    """Where each run of equal cells starts, when the cells come sorted (the usual case); None when they do not."""
+    if len(cell) and not (cell[1:] >= cell[:-1]).all():
+        return None
+    return np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]]) if len(cell) else np.zeros(0, np.int64)
+
+
+def _cell_reduce(ufunc: np.ufunc, out: np.ndarray, cell: np.ndarray, values: np.ndarray,
+                 heads: np.ndarray | None = None) -> None:
+    """``out[cell] = ufunc(out[cell], values)`` per cell: ``reduceat`` when cells come sorted (the usual case;
+    ``heads``: their :func:`_cell_heads`, when known)."""
     if not len(cell):
         return
-    if (np.diff(cell) >= 0).all():
-        heads = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
+    heads = heads if heads is not None else _cell_heads(cell)
+    if heads is not None:
         cells = cell[heads]
         out[cells] = ufunc(out[cells], ufunc.reduceat(values, heads))
     else:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from megatrace.analyze.findings import Finding, Severity, Subject
-from megatrace.analyze.index import RecordIndex
+from megatrace.analyze.index import CHUNK, RecordIndex, chunks
 from megatrace.analyze.iterations import Iterations, perf_kind
 from megatrace.analyze.match import Collectives
 from megatrace.analyze.words import duration, rank_label, rank_subject
@@ -82,11 +82,15 @@ def p2p_pairs(trace: TraceSet, ix: RecordIndex, it: Iterations, te: np.ndarray, 
               steps: list[int]) -> list[PairStats]:
     """Per p2p channel (src -> dst): receive completion − when both sides had arrived, against other channels."""
     rec = trace.records
-    both = np.flatnonzero((ix.send_row >= 0) & (ix.recv_row >= 0))
-    s, r = ix.send_row[both], ix.recv_row[both]
-    keep = (rec.state[r] == State.COMPLETED) & (tc[r] > 0) & np.isin(it.record_step[r], steps)
-    s, r, chan = s[keep], r[keep], ix.pair_chan[both[keep]]
-    chans, meds, counts = _medians(chan.astype(np.int64), tc[r] - np.maximum(te[s], te[r]))
+    found = []
+    for lo, hi in _channel_chunks(ix.pair_chan):  # (whole channels at a time: temporaries bounded by CHUNK pairs)
+        s, r = ix.send_row[lo:hi], ix.recv_row[lo:hi]
+        both = np.flatnonzero((s >= 0) & (r >= 0))
+        s, r = s[both], r[both]
+        keep = (rec.state[r] == State.COMPLETED) & (tc[r] > 0) & np.isin(it.record_step[r], steps)
+        s, r, chan = s[keep], r[keep], ix.pair_chan[lo + both[keep]]
+        found.append(_medians(chan.astype(np.int64), tc[r] - np.maximum(te[s], te[r])))
+    chans, meds, counts = (np.concatenate(cols) for cols in zip(*found)) if found else (np.zeros(0, np.int64),) * 3
     good = counts >= MIN_LINK_TRANSFERS
     chans, meds, counts = chans[good], meds[good], counts[good]
     src, dst = ix.chan_src[chans].astype(np.int64), ix.chan_dst[chans].astype(np.int64)
@@ -103,6 +107,12 @@ def p2p_pairs(trace: TraceSet, ix: RecordIndex, it: Iterations, te: np.ndarray, 
             in zip(src, dst, kinds, counts, meds, ref) if rf >= 0]
 
 
+def _channel_chunks(pair_chan: np.ndarray) -> list[tuple[int, int]]:
+    """Ranges of pair ids of about :data:`CHUNK` pairs, cut between channels (pair ids ascend by channel)."""
+    cuts = np.unique(np.r_[0, np.searchsorted(pair_chan, pair_chan[CHUNK::CHUNK]), len(pair_chan)])
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+
+
 def collective_pairs(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations,
                      steps: list[int]) -> list[PairStats]:
     """Per small collective group and op: last completion − last arrival, against the other groups' of its kind.
@@ -111,7 +121,9 @@ def collective_pairs(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Itera
     groups larger than :data:`MAX_PAIR_GROUP` are left out of the pair view.
     """
     seen = np.zeros(ix.n_instances, bool)  # the instances entered in ``steps`` (marked, not sorted out)
-    seen[ix.inst[(ix.inst >= 0) & np.isin(it.record_step, steps)]] = True
+    for sl in chunks(len(ix.inst)):
+        inst = ix.inst[sl]
+        seen[inst[(inst >= 0) & np.isin(it.record_step[sl], steps)]] = True
     insts = np.flatnonzero(seen)
     insts = insts[(c.complete & (c.n_members >= 2) & (c.last_complete > 0))[insts]]
     key = ix.inst_gidx[insts].astype(np.int64) * 65536 + c.op[insts]

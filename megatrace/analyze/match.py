@@ -140,7 +140,8 @@ def _describe_mismatches(trace: TraceSet, ix: RecordIndex, bad: np.ndarray, n_ke
 _CHECKS: dict[str, Callable] = {  # per-record value that all members of an instance must agree on
     "op": lambda rec, r: rec.op[r].astype(np.int64),
     "dtype": lambda rec, r: rec.dtype[r].astype(np.int64),
-    "nbytes": lambda rec, r: np.where(rec.op[r] == Op.ALL_TO_ALL, 0, rec.nbytes[r]),  # uneven splits are legal
+    "nbytes": lambda rec, r: np.where(rec.op[r] == Op.ALL_TO_ALL, 0, rec.nbytes[r]).astype(np.int64),  # (uneven
+    #                                                                         splits of an all_to_all are legal)
     "root": lambda rec, r: np.where(np.isin(rec.op[r], ROOTED), rec.peer[r], -1).astype(np.int64),
 }
 I64_MIN, I64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max

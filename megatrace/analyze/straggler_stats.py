@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,36 +120,42 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
     """
     if not steps:
         return
-    column = _steady_columns(it, steps)
+    column_of = _steady_columns(it, steps)
     ranks = trace.ranks.tolist()
     for group in peer_groups(trace):
         members = [ranks[i] for i in group.tolist()]
         if len(group) < 2 or any(r not in stats for r in members):
             continue
-        rows = []
+        rows, columns = [], []
         for i in group.tolist():
             lo, hi = int(trace.starts[i]), int(trace.starts[i + 1])
-            rows.append(lo + np.flatnonzero(column[lo:hi] >= 0))
-        counts = np.stack([np.bincount(column[r], minlength=len(steps)) for r in rows])
+            column = column_of(lo, hi)
+            mine = np.flatnonzero(column >= 0)
+            rows.append(lo + mine)
+            columns.append(column[mine])
+        counts = np.stack([np.bincount(c, minlength=len(steps)) for c in columns])
         same = (counts == counts[0]).all(axis=0)
         if not same.any():
             continue
-        g = np.stack([gap[r[same[column[r]]]].astype(np.float64) for r in rows])  # [members, paired calls]
+        g = np.stack([gap[r[same[c]]].astype(np.float64) for r, c in zip(rows, columns)])  # [members, paired calls]
         ratios = [ratio for _, ratio in _paired_ratios(g)]
         for r, ratio, median in zip(members, ratios, _medians_of(ratios), strict=True):
             _fill_intervals(stats[r], ratio, median)
 
 
-def _steady_columns(it: Iterations, steps: list[int]) -> np.ndarray:
-    """Per record: the index in ``steps`` (sorted) of its step when it is a call (not a marker) of one of them,
-    else -1 (int32; a table lookup, one pass)."""
+def _steady_columns(it: Iterations, steps: list[int]) -> Callable[[int, int], np.ndarray]:
+    """A function of rows ``lo, hi``: per record, the index in ``steps`` (sorted) of its step when it is a call
+    (not a marker) of one of them, else -1 (int32; a table lookup, one pass over the rows asked for)."""
     rec_step = it.record_step
     top = max(int(rec_step.max(initial=-1)), max(steps)) + 2
     table = np.full(top, -1, np.int32)
     table[np.asarray(steps, np.int64) + 1] = np.arange(len(steps), dtype=np.int32)
-    column = table[np.clip(rec_step, -1, None) + 1]
-    column[it.roles == MARKER] = -1
-    return column
+
+    def column_of(lo: int, hi: int) -> np.ndarray:
+        column = table[np.clip(rec_step[lo:hi], -1, None) + 1]
+        column[it.roles[lo:hi] == MARKER] = -1
+        return column
+    return column_of
 
 
 def _paired_ratios(g: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:

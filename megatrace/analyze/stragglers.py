@@ -31,7 +31,7 @@ import numpy as np
 from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.critical_path import what_if
 from megatrace.analyze.findings import Finding, Kind, Severity
-from megatrace.analyze.index import CHUNK, RecordIndex
+from megatrace.analyze.index import CHUNK, RecordIndex, select_rows
 from megatrace.analyze.iterations import Iterations, compute_gaps, iterations_of, perf_kind
 from megatrace.analyze.links import PairStats, analyze_links, delay_matrix, link_finding, slow_rank_finding
 from megatrace.analyze.match import Collectives
@@ -211,15 +211,23 @@ def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterati
     """Per complete collective instance of ``steps`` (None: the whole trace) with two or more members: its last
     arrival's rank, its lag behind the median arrival, the part its own compute explains; and every member row."""
     rec = trace.records
-    in_steps = np.isin(it.record_step, steps) if steps is not None else True
-    rows = np.flatnonzero((ix.inst >= 0) & in_steps & (rec.state == State.COMPLETED))
-    inst = ix.inst[rows]
-    ok = (c.complete & (c.n_members >= 2))[inst]
-    rows, inst = rows[ok], inst[ok]
+    good = c.complete & (c.n_members >= 2)  # per instance
+    if not good.any():
+        return None
+
+    def wanted(sl: slice) -> np.ndarray:
+        inst = ix.inst[sl]
+        return (inst >= 0) & good[np.maximum(inst, 0)] & (rec.state[sl] == State.COMPLETED) \
+            & (np.isin(it.record_step[sl], steps) if steps is not None else True)
+
+    rows = select_rows(len(rec), wanted)
     if not len(rows):
         return None
+    inst = ix.inst[rows]
     by_inst = np.argsort(inst, kind="stable")  # each instance's members together, in row order
-    rows, inst = rows[by_inst], inst[by_inst]
+    rows = rows[by_inst]
+    inst = inst[by_inst]
+    del by_inst
     starts = np.flatnonzero(np.r_[True, inst[1:] != inst[:-1]])
     sizes = np.diff(np.r_[starts, len(rows)])
     last = np.empty(len(starts), np.int64)

@@ -52,7 +52,7 @@ def tail_gaps(trace: TraceSet, ix: RecordIndex, recent: int) -> list[int]:
         for side, table in (("send", ix.send_row), ("recv", ix.recv_row)):
             first = np.full(len(want), np.iinfo(np.int64).max, np.int64)
             has = np.flatnonzero((table >= 0) & want[ix.pair_chan])
-            np.minimum.at(first, ix.pair_chan[has], ix.pair_seq[has])
+            np.minimum.at(first, ix.pair_chan[has], ix.pair_seq[has].astype(np.int64))  # (one dtype: the fast path)
             oldest[side] = first
         partner_first = np.where(is_send, oldest["recv"][chan], oldest["send"][chan])
         peer = np.where(is_send, ix.chan_dst[chan], ix.chan_src[chan])

@@ -111,11 +111,21 @@ class Tally:
                                         ranks=tuple(self.no_meta)))
 
 
+NARROW = ("seq", "group_seq", "nbytes")  # int64 in the ring format, int32 in the columns while the values fit
+_I32 = np.iinfo(np.int32)
+
+
 class RecordColumns:
-    """Preallocated record columns, appended to rank by rank (grown if a live ring outgrew its header)."""
+    """Preallocated record columns, appended to rank by rank (grown if a live ring outgrew its header).
+
+    The columns of :data:`NARROW` are int32 while every value appended fits (the usual case: a rank's sequence
+    numbers and message sizes below 2**31), widened to int64 by the first batch that does not: 12 bytes less a
+    record, a fifth of the columns, at 16,384 ranks 0.35 GiB.
+    """
 
     def __init__(self, capacity: int) -> None:
-        self.data = {name: np.empty(max(capacity, 0), dt) for name, dt in COLUMNS.items()}
+        self.data = {name: np.empty(max(capacity, 0), np.int32 if name in NARROW else dt)
+                     for name, dt in COLUMNS.items()}
         self.n = 0
 
     def append(self, rank: int, recs: np.ndarray) -> None:
@@ -132,9 +142,19 @@ class RecordColumns:
             # (joined as plain bytes: numpy's concatenate of records compares their fields' dtypes, one by one)
             joined = np.concatenate([np.ascontiguousarray(p).view(np.uint8) for p in parts]).view(parts[0].dtype) \
                 if len(parts) > 1 else parts[0]
+            self._widen_for(joined)
             _copy_columns(joined, self.data, self.n)
             self.data["rank"][self.n:end] = np.repeat(np.array(ranks, np.int32), counts)
         self.n = end
+
+    def _widen_for(self, recs: np.ndarray) -> None:
+        """Widen each narrow column to int64 that some value of ``recs`` does not fit (before they are copied)."""
+        for name in NARROW:
+            col = self.data[name]
+            if col.dtype == np.int32 and len(recs):
+                v = recs[name]
+                if v.min() < _I32.min or v.max() > _I32.max:
+                    self.data[name] = col.astype(np.int64)
 
     def filled(self) -> dict[str, np.ndarray]:
         """The columns' rows appended so far (views)."""

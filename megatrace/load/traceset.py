@@ -167,11 +167,11 @@ class Records:
     """All ranks' records as columns (one row per record, ranks contiguous, each in seq order)."""
 
     rank: np.ndarray  # int32 global rank
-    seq: np.ndarray  # int64 per-rank sequence
-    group_seq: np.ndarray  # int64
+    seq: np.ndarray  # per-rank sequence; int64, or int32 when every value fits (rings.NARROW)
+    group_seq: np.ndarray  # int64 or int32 (as seq)
     t_enqueue: np.ndarray  # int64, CLOCK_MONOTONIC of the writing host
     t_complete: np.ndarray  # int64, 0 = no completion recorded
-    nbytes: np.ndarray  # int64
+    nbytes: np.ndarray  # int64 or int32 (as seq)
     group_id: np.ndarray  # uint32
     peer: np.ndarray  # int32
     op: np.ndarray  # uint16
