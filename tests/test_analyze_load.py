@@ -21,6 +21,36 @@ def four_ranks() -> tuple[TraceBuilder, list]:
     return b, groups
 
 
+def test_sizes_and_sequence_numbers_are_int32_while_they_fit_and_int64_beyond(tmp_path: Path) -> None:
+    b, groups = four_ranks()
+    b.write(tmp_path / "small", closed=True)
+    small = load_trace(tmp_path / "small").records
+    assert {small.seq.dtype, small.group_seq.dtype, small.nbytes.dtype} == {np.dtype(np.int32)}
+    b.collective(groups[3], at=100.0, nbytes=3 << 31)  # ranks 1 and 3: one call of 6 GiB
+    b.write(tmp_path / "big", closed=True)
+    big = load_trace(tmp_path / "big").records
+    assert big.nbytes.dtype == np.int64 and big.group_seq.dtype == np.int32
+    assert sorted(big.rank[big.nbytes == 3 << 31].tolist()) == [1, 3]
+    assert np.array_equal(big.nbytes[big.nbytes != 3 << 31], small.nbytes)  # the rows before it kept their values
+
+
+def test_a_column_widens_when_a_later_batch_does_not_fit() -> None:
+    from megatrace.load.rings import RecordColumns
+    from megatrace.trace.ring_reader import RECORD_DTYPE
+
+    def recs(seq: list[int]) -> np.ndarray:
+        out = np.zeros(len(seq), RECORD_DTYPE)
+        out["seq"], out["group_seq"], out["nbytes"] = seq, seq, 7
+        return out
+
+    cols = RecordColumns(4)
+    cols.extend([0], [recs([1, 2])])
+    cols.extend([1], [recs([(1 << 31) + 5, 1 << 40])])  # (the ring format's sequence numbers are unsigned)
+    got = cols.finish()
+    assert got.seq.dtype == got.group_seq.dtype == np.int64 and got.nbytes.dtype == np.int32
+    assert got.seq.tolist() == [1, 2, (1 << 31) + 5, 1 << 40] and got.rank.tolist() == [0, 0, 1, 1]
+
+
 def codes(trace) -> dict[str, str]:
     return {p.code: p.message for p in trace.problems}
 
