@@ -51,6 +51,33 @@ def select_rows(n: int, mask_of: Callable[[slice], np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, _id_dtype(n))
 
 
+def rows_by_key(n: int, mask_of: Callable[[slice], np.ndarray], key_of: Callable[[np.ndarray], np.ndarray],
+                n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows below ``n`` where ``mask_of(sl)`` holds, grouped by ``key_of(rows)`` (ints below ``n_keys``): keys
+    ascending, rows ascending within a key, as a stable sort would order them; and for each key present, where
+    its rows start and how many there are.
+
+    A counting sort, chunk by chunk (one pass counts, one places): no temporary as long as the selected rows.
+    """
+    counts = np.zeros(n_keys, np.int64)
+    for sl in chunks(n):
+        counts += np.bincount(key_of(sl.start + np.flatnonzero(mask_of(sl))), minlength=n_keys)
+    offsets = np.cumsum(counts) - counts
+    out = np.empty(int(counts.sum()), _id_dtype(n))
+    cursor = offsets.copy()
+    for sl in chunks(n):
+        rows = sl.start + np.flatnonzero(mask_of(sl))
+        keys = key_of(rows)
+        order = np.argsort(keys, kind="stable")
+        keys, rows = keys[order], rows[order]
+        heads = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
+        run = np.diff(np.r_[heads, len(keys)])
+        out[cursor[keys] + np.arange(len(keys)) - np.repeat(heads, run)] = rows
+        cursor[keys[heads]] += run
+    present = counts > 0
+    return out, offsets[present], counts[present]
+
+
 def rank_positions(starts: np.ndarray, sl: slice) -> np.ndarray:
     """For rows ``sl`` of a trace with row offsets ``starts``, the index of each row's rank."""
     r0 = int(np.searchsorted(starts, sl.start, side="right")) - 1

@@ -16,7 +16,7 @@ quantity that ranks doing the same work should share.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +66,14 @@ class Iterations:
         if self.segmenter is None:
             return {}
         return {r: self.segmenter.rank(r, np.asarray(steps)) for r in ranks}
+
+    def in_steps(self, steps: list[int]) -> Callable[[np.ndarray], np.ndarray]:
+        """A function of records' steps (rows of ``record_step``): which are among ``steps``, by a table lookup
+        (``np.isin`` searches per call)."""
+        top = max(int(self.record_step.max(initial=-1)), max(steps, default=-1)) + 2
+        table = np.zeros(top, bool)
+        table[np.asarray(steps, np.int64) + 1] = True
+        return lambda step: table[np.clip(step, -1, None) + 1]
 
     @property
     def n_steps(self) -> int:

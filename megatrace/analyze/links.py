@@ -82,12 +82,13 @@ def p2p_pairs(trace: TraceSet, ix: RecordIndex, it: Iterations, te: np.ndarray, 
               steps: list[int]) -> list[PairStats]:
     """Per p2p channel (src -> dst): receive completion − when both sides had arrived, against other channels."""
     rec = trace.records
+    in_steps = it.in_steps(steps)
     found = []
     for lo, hi in _channel_chunks(ix.pair_chan):  # (whole channels at a time: temporaries bounded by CHUNK pairs)
         s, r = ix.send_row[lo:hi], ix.recv_row[lo:hi]
         both = np.flatnonzero((s >= 0) & (r >= 0))
         s, r = s[both], r[both]
-        keep = (rec.state[r] == State.COMPLETED) & (tc[r] > 0) & np.isin(it.record_step[r], steps)
+        keep = (rec.state[r] == State.COMPLETED) & (tc[r] > 0) & in_steps(it.record_step[r])
         s, r, chan = s[keep], r[keep], ix.pair_chan[lo + both[keep]]
         found.append(_medians(chan.astype(np.int64), tc[r] - np.maximum(te[s], te[r])))
     chans, meds, counts = (np.concatenate(cols) for cols in zip(*found)) if found else (np.zeros(0, np.int64),) * 3
@@ -121,9 +122,10 @@ def collective_pairs(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Itera
     groups larger than :data:`MAX_PAIR_GROUP` are left out of the pair view.
     """
     seen = np.zeros(ix.n_instances, bool)  # the instances entered in ``steps`` (marked, not sorted out)
+    in_steps = it.in_steps(steps)
     for sl in chunks(len(ix.inst)):
         inst = ix.inst[sl]
-        seen[inst[(inst >= 0) & np.isin(it.record_step[sl], steps)]] = True
+        seen[inst[(inst >= 0) & in_steps(it.record_step[sl])]] = True
     insts = np.flatnonzero(seen)
     insts = insts[(c.complete & (c.n_members >= 2) & (c.last_complete > 0))[insts]]
     key = ix.inst_gidx[insts].astype(np.int64) * 65536 + c.op[insts]

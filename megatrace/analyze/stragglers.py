@@ -31,7 +31,7 @@ import numpy as np
 from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.critical_path import what_if
 from megatrace.analyze.findings import Finding, Kind, Severity
-from megatrace.analyze.index import CHUNK, RecordIndex, select_rows
+from megatrace.analyze.index import CHUNK, RecordIndex, chunks, rows_by_key
 from megatrace.analyze.iterations import Iterations, compute_gaps, iterations_of, perf_kind
 from megatrace.analyze.links import PairStats, analyze_links, delay_matrix, link_finding, slow_rank_finding
 from megatrace.analyze.match import Collectives
@@ -183,7 +183,7 @@ def pipeline_waits(trace: TraceSet, ix: RecordIndex, it: Iterations, te: np.ndar
     s, r = ix.send_row, ix.recv_row
     both = np.flatnonzero((s >= 0) & (r >= 0))
     s, r = s[both], r[both]
-    keep = np.isin(it.record_step[r], steps) & (te[s] > 0) & (te[r] > 0)
+    keep = it.in_steps(steps)(it.record_step[r]) & (te[s] > 0) & (te[r] > 0)
     s, r = s[keep], r[keep]
     rank = trace.records.rank.astype(np.int64)
     lag = te[r].astype(np.int64) - te[s].astype(np.int64)  # > 0: the sender arrived first and waited
@@ -203,7 +203,8 @@ def _waits_seen(trace: TraceSet) -> bool:
 
 def _has_p2p(trace: TraceSet) -> bool:
     """The trace records point-to-point calls (a receive's wait is then not counted as compute)."""
-    return bool(np.isin(trace.records.op, (Op.SEND, Op.RECV)).any())
+    op = trace.records.op
+    return any(bool(((op[sl] == Op.SEND) | (op[sl] == Op.RECV)).any()) for sl in chunks(len(op)))
 
 
 def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterations, te: np.ndarray,
@@ -215,21 +216,17 @@ def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterati
     if not good.any():
         return None
 
+    in_steps = it.in_steps(steps) if steps is not None else None
+
     def wanted(sl: slice) -> np.ndarray:
         inst = ix.inst[sl]
         return (inst >= 0) & good[np.maximum(inst, 0)] & (rec.state[sl] == State.COMPLETED) \
-            & (np.isin(it.record_step[sl], steps) if steps is not None else True)
+            & (in_steps(it.record_step[sl]) if in_steps is not None else True)
 
-    rows = select_rows(len(rec), wanted)
+    # each instance's members together, in row order
+    rows, starts, sizes = rows_by_key(len(rec), wanted, lambda r: ix.inst[r], ix.n_instances)
     if not len(rows):
         return None
-    inst = ix.inst[rows]
-    by_inst = np.argsort(inst, kind="stable")  # each instance's members together, in row order
-    rows = rows[by_inst]
-    inst = inst[by_inst]
-    del by_inst
-    starts = np.flatnonzero(np.r_[True, inst[1:] != inst[:-1]])
-    sizes = np.diff(np.r_[starts, len(rows)])
     last = np.empty(len(starts), np.int64)
     med_te = np.empty(len(starts), te.dtype)
     med_gap = np.empty(len(starts), gap.dtype)

@@ -142,19 +142,25 @@ class RecordColumns:
             # (joined as plain bytes: numpy's concatenate of records compares their fields' dtypes, one by one)
             joined = np.concatenate([np.ascontiguousarray(p).view(np.uint8) for p in parts]).view(parts[0].dtype) \
                 if len(parts) > 1 else parts[0]
-            self._widen_for(joined)
-            _copy_columns(joined, self.data, self.n)
+            self._copy(joined, self.n)
             self.data["rank"][self.n:end] = np.repeat(np.array(ranks, np.int32), counts)
         self.n = end
 
-    def _widen_for(self, recs: np.ndarray) -> None:
-        """Widen each narrow column to int64 that some value of ``recs`` does not fit (before they are copied)."""
-        for name in NARROW:
-            col = self.data[name]
-            if col.dtype == np.int32 and len(recs):
-                v = recs[name]
-                if v.min() < _I32.min or v.max() > _I32.max:
+    def _copy(self, recs: np.ndarray, at: int) -> None:
+        """Copy the fields of ``recs`` into the columns from row ``at`` (all but ``rank``), widening a narrow column
+        that a value does not fit first.
+
+        Block by block: each block of records stays in cache while its fields are checked and picked out.
+        """
+        for lo in range(0, len(recs), _COPY_BLOCK):
+            part = recs[lo:lo + _COPY_BLOCK]
+            for name in NARROW:
+                col, v = self.data[name], part[name]
+                if col.dtype == np.int32 and (v.max() > _I32.max or v.dtype.kind == "i" and v.min() < _I32.min):
                     self.data[name] = col.astype(np.int64)
+            for name, col in self.data.items():
+                if name != "rank":
+                    col[at + lo:at + lo + len(part)] = part[name]
 
     def filled(self) -> dict[str, np.ndarray]:
         """The columns' rows appended so far (views)."""
@@ -218,18 +224,6 @@ def _with_metas(records: Records, read: list[tuple[RankInfo, str]], meta_paths: 
         tally.add(RankRead(info, found, [str(p) for p in problems if p.severity == "error"], harm))
     infos = [info for info, _ in read]
     return records, infos, metas, _unknown_groups(records, np.array([i.n_records for i in infos]), metas)
-
-
-def _copy_columns(recs: np.ndarray, columns: dict[str, np.ndarray], at: int) -> None:
-    """Copy the fields of ``recs`` (RECORD_DTYPE) into ``columns`` from row ``at`` (all but ``rank``).
-
-    Block by block: each block of records stays in cache while its twelve fields are picked out.
-    """
-    for lo in range(0, len(recs), _COPY_BLOCK):
-        part = recs[lo:lo + _COPY_BLOCK]
-        for name, col in columns.items():
-            if name != "rank":
-                col[at + lo:at + lo + len(part)] = part[name]
 
 
 _COPY_BLOCK = 1 << 15  # records (2 MB) per block when picking fields out of records
