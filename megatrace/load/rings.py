@@ -402,6 +402,9 @@ def load_tails(chosen: dict[int, Path], tails: TailColumns, tally: Tally) -> Loa
                        [tails.metas[path] for _, path in order], tally)
 
 
+_UNKNOWN_ROWS = 1 << 20  # rows per pass when looking for undeclared groups
+
+
 def _unknown_groups(records: Records, counts: np.ndarray, metas: dict[int, list[dict]]) -> dict[int, set[int]]:
     """Group id -> ranks that used it in records without declaring it in their own meta (all ranks at once).
 
@@ -410,15 +413,24 @@ def _unknown_groups(records: Records, counts: np.ndarray, metas: dict[int, list[
     """
     known = [known_gids(entries) for entries in metas.values()]
     width = max((len(k) for k in known), default=0)
-    keyed = records.op < fmt.Op.MARK_STEP
     if width <= 32:
-        declared = np.zeros(len(records), bool)
-        for j in range(width):
-            column = np.array([k[j] if j < len(k) else -1 for k in known], dtype=np.int64)
-            declared |= records.group_id == np.repeat(column, counts)
-        left_rows = np.flatnonzero(keyed & ~declared)
-        keys = (records.rank[left_rows].astype(np.int64) << 32) | records.group_id[left_rows].astype(np.int64)
+        columns = [np.array([k[j] if j < len(k) else -1 for k in known], dtype=np.int64) for j in range(width)]
+        bounds = np.r_[0, np.cumsum(counts)]
+        parts = []
+        i0 = 0
+        while i0 < len(known):  # ranks together up to about _UNKNOWN_ROWS rows: temporaries bounded
+            i1 = max(i0 + 1, int(np.searchsorted(bounds, bounds[i0] + _UNKNOWN_ROWS, side="right")) - 1)
+            lo, hi = int(bounds[i0]), int(bounds[i1])
+            gid = records.group_id[lo:hi]
+            declared = np.zeros(hi - lo, bool)
+            for column in columns:
+                declared |= gid == np.repeat(column[i0:i1], counts[i0:i1])
+            left = lo + np.flatnonzero((records.op[lo:hi] < fmt.Op.MARK_STEP) & ~declared)
+            parts.append((records.rank[left].astype(np.int64) << 32) | records.group_id[left].astype(np.int64))
+            i0 = i1
+        keys = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     else:  # some rank declares many groups: a sorted membership test
+        keyed = records.op < fmt.Op.MARK_STEP
         keys = (records.rank[keyed].astype(np.int64) << 32) | records.group_id[keyed].astype(np.int64)
         flat = np.array([(rank << 32) | gid for rank, k in zip(metas, known) for gid in k], dtype=np.int64)
         keys = keys[~np.isin(keys, flat)]
