@@ -57,16 +57,17 @@ def rows_by_key(n: int, mask_of: Callable[[slice], np.ndarray], key_of: Callable
     ascending, rows ascending within a key, as a stable sort would order them; and for each key present, where
     its rows start and how many there are.
 
-    A counting sort, chunk by chunk (one pass counts, one places): no temporary as long as the selected rows.
+    A counting sort of the rows selected chunk by chunk (one pass counts, one places): no temporary as long as
+    the records, and no sort of every selected row at once.
     """
+    parts = [(sl.start + np.flatnonzero(mask_of(sl))).astype(_id_dtype(n)) for sl in chunks(n)]
     counts = np.zeros(n_keys, np.int64)
-    for sl in chunks(n):
-        counts += np.bincount(key_of(sl.start + np.flatnonzero(mask_of(sl))), minlength=n_keys)
+    for rows in parts:
+        counts += np.bincount(key_of(rows), minlength=n_keys)
     offsets = np.cumsum(counts) - counts
     out = np.empty(int(counts.sum()), _id_dtype(n))
     cursor = offsets.copy()
-    for sl in chunks(n):
-        rows = sl.start + np.flatnonzero(mask_of(sl))
+    for rows in parts:
         keys = key_of(rows)
         order = np.argsort(keys, kind="stable")
         keys, rows = keys[order], rows[order]

@@ -73,7 +73,7 @@ class Iterations:
         top = max(int(self.record_step.max(initial=-1)), max(steps, default=-1)) + 2
         table = np.zeros(top, bool)
         table[np.asarray(steps, np.int64) + 1] = True
-        return lambda step: table[np.clip(step, -1, None) + 1]
+        return lambda step: np.take(table, step + 1, mode="clip")  # (below -1: the "no step" entry, False)
 
     @property
     def n_steps(self) -> int:
