@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from megatrace.analyze.index import chunks
 from megatrace.analyze.iterations import Iterations
 from megatrace.analyze.peers import peer_groups
 from megatrace.analyze.segments import MARKER
@@ -120,7 +120,7 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
     """
     if not steps:
         return
-    column_of = _steady_columns(it, steps)
+    column = _steady_columns(it, steps)
     ranks = trace.ranks.tolist()
     for group in peer_groups(trace):
         members = [ranks[i] for i in group.tolist()]
@@ -129,10 +129,9 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
         rows, columns = [], []
         for i in group.tolist():
             lo, hi = int(trace.starts[i]), int(trace.starts[i + 1])
-            column = column_of(lo, hi)
-            mine = np.flatnonzero(column >= 0)
+            mine = np.flatnonzero(column[lo:hi] >= 0)
             rows.append(lo + mine)
-            columns.append(column[mine])
+            columns.append(column[lo + mine])
         counts = np.stack([np.bincount(c, minlength=len(steps)) for c in columns])
         same = (counts == counts[0]).all(axis=0)
         if not same.any():
@@ -143,19 +142,19 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
             _fill_intervals(stats[r], ratio, median)
 
 
-def _steady_columns(it: Iterations, steps: list[int]) -> Callable[[int, int], np.ndarray]:
-    """A function of rows ``lo, hi``: per record, the index in ``steps`` (sorted) of its step when it is a call
-    (not a marker) of one of them, else -1 (int32; a table lookup, one pass over the rows asked for)."""
+def _steady_columns(it: Iterations, steps: list[int]) -> np.ndarray:
+    """Per record: the index in ``steps`` (sorted) of its step when it is a call (not a marker) of one of them,
+    else -1 (int32; a table lookup, one pass)."""
     rec_step = it.record_step
     top = max(int(rec_step.max(initial=-1)), max(steps)) + 2
     table = np.full(top, -1, np.int32)
     table[np.asarray(steps, np.int64) + 1] = np.arange(len(steps), dtype=np.int32)
-
-    def column_of(lo: int, hi: int) -> np.ndarray:
-        column = table[np.clip(rec_step[lo:hi], -1, None) + 1]
-        column[it.roles[lo:hi] == MARKER] = -1
-        return column
-    return column_of
+    column = np.empty(len(rec_step), np.int32)
+    for sl in chunks(len(rec_step)):  # (below -1: the "no step" entry)
+        part = column[sl]
+        np.take(table, rec_step[sl] + 1, mode="clip", out=part)
+        part[it.roles[sl] == MARKER] = -1
+    return column
 
 
 def _paired_ratios(g: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
