@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from megatrace.analyze.index import op_name
+from megatrace.analyze.iterations import rank_chunks
 from megatrace.load.traceset import TraceSet
 from megatrace.redact import redact_argv
 from megatrace.trace.environment import filter_env
@@ -160,18 +161,22 @@ def _timeline(trace: TraceSet, clock: Any, hang: Any, focus: set[int]) -> dict[s
     rec = trace.records
     if not len(rec):
         return None
-    rows = np.flatnonzero(rec.op < Op.MARK_STEP)
-    if not len(rows):
-        return None
     per_rank = max(TIMELINE_MIN_OPS, min(TIMELINE_MAX_OPS, TIMELINE_BUDGET // max(1, len(trace.ranks))))
-    pos = np.searchsorted(trace.starts, rows, side="right") - 1
-    counts = np.bincount(pos, minlength=len(trace.ranks))
-    ends = np.cumsum(counts)
-    from_end = ends[pos] - 1 - np.arange(len(rows))
-    keep = from_end < per_rank
-    if focus and per_rank < TIMELINE_MAX_OPS:
-        keep |= np.isin(rec.rank[rows], np.fromiter(focus, np.int64)) & (from_end < TIMELINE_MAX_OPS)
-    sel = rows[keep]
+    focused = np.fromiter(focus, np.int64) if focus and per_rank < TIMELINE_MAX_OPS else None
+    parts = []
+    for i0, i1 in rank_chunks(trace):  # whole ranks at a time: no temporary as long as the records
+        lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
+        rows = lo + np.flatnonzero(rec.op[lo:hi] < Op.MARK_STEP)
+        pos = np.searchsorted(trace.starts, rows, side="right") - 1
+        ends = np.cumsum(np.bincount(pos - i0, minlength=i1 - i0))
+        from_end = ends[pos - i0] - 1 - np.arange(len(rows))  # the rank's operations after this one
+        keep = from_end < per_rank
+        if focused is not None:
+            keep |= np.isin(rec.rank[rows], focused) & (from_end < TIMELINE_MAX_OPS)
+        parts.append(rows[keep])
+    sel = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if not len(sel):
+        return None
     te, tc = clock.t_enqueue[sel], clock.t_complete[sel]
     t0 = int(te.min())
     end = int(max(te.max(), tc.max()))
