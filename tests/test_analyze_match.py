@@ -66,6 +66,11 @@ def test_different_op_size_or_dtype_in_one_instance_are_mismatches(tmp_path: Pat
     assert got[(3, "nbytes")] == {"4096 bytes": (0, 2), "8192 bytes": (1,)}
     assert got[(4, "dtype")] == {"bfloat16": (0,), "float32": (1, 2)}
     assert "tp group [0, 1, 2]" in m.mismatches[0].describe()
+    c = m.collectives  # per instance: the lowest op and the largest size seen, whoever wrote them
+    ops = sorted([int(Op.ALL_REDUCE), int(Op.ALL_GATHER)])
+    assert c.op[find(m, g.gid, 2)] == ops[0] and c.op[find(m, g.gid, 1)] == int(Op.ALL_REDUCE)
+    assert c.nbytes[find(m, g.gid, 3)] == 8192 and c.nbytes[find(m, g.gid, 4)] == 4096
+    assert not c.mismatch[find(m, g.gid, 1)] and c.mismatch[find(m, g.gid, 2)]
 
 
 def test_sends_pair_with_receives_by_direction_and_sequence(tmp_path: Path) -> None:
