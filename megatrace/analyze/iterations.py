@@ -67,13 +67,18 @@ class Iterations:
             return {}
         return {r: self.segmenter.rank(r, np.asarray(steps)) for r in ranks}
 
-    def in_steps(self, steps: list[int]) -> Callable[[np.ndarray], np.ndarray]:
-        """A function of records' steps (rows of ``record_step``): which are among ``steps``, by a table lookup
-        (``np.isin`` searches per call)."""
+    def step_index(self, steps: list[int]) -> Callable[[np.ndarray], np.ndarray]:
+        """A function of records' steps (values of ``record_step``): each one's index in ``steps`` (sorted), -1
+        when it is not among them (int32), by a table lookup (``np.isin`` searches per call)."""
         top = max(int(self.record_step.max(initial=-1)), max(steps, default=-1)) + 2
-        table = np.zeros(top, bool)
-        table[np.asarray(steps, np.int64) + 1] = True
-        return lambda step: np.take(table, step + 1, mode="clip")  # (below -1: the "no step" entry, False)
+        table = np.full(top, -1, np.int32)
+        table[np.asarray(steps, np.int64) + 1] = np.arange(len(steps), dtype=np.int32)
+        return lambda step: np.take(table, step + 1, mode="clip")  # (below -1: the "no step" entry)
+
+    def in_steps(self, steps: list[int]) -> Callable[[np.ndarray], np.ndarray]:
+        """A function of records' steps: which are among ``steps`` (see :meth:`step_index`)."""
+        index = self.step_index(steps)
+        return lambda step: index(step) >= 0
 
     @property
     def n_steps(self) -> int:

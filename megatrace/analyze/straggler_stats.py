@@ -144,15 +144,12 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
 
 def _steady_columns(it: Iterations, steps: list[int]) -> np.ndarray:
     """Per record: the index in ``steps`` (sorted) of its step when it is a call (not a marker) of one of them,
-    else -1 (int32; a table lookup, one pass)."""
-    rec_step = it.record_step
-    top = max(int(rec_step.max(initial=-1)), max(steps)) + 2
-    table = np.full(top, -1, np.int32)
-    table[np.asarray(steps, np.int64) + 1] = np.arange(len(steps), dtype=np.int32)
-    column = np.empty(len(rec_step), np.int32)
-    for sl in chunks(len(rec_step)):  # (below -1: the "no step" entry)
+    else -1 (int32; a table lookup, chunk by chunk)."""
+    index = it.step_index(steps)
+    column = np.empty(len(it.record_step), np.int32)
+    for sl in chunks(len(column)):
         part = column[sl]
-        np.take(table, rec_step[sl] + 1, mode="clip", out=part)
+        part[:] = index(it.record_step[sl])
         part[it.roles[sl] == MARKER] = -1
     return column
 
