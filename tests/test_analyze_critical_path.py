@@ -90,6 +90,17 @@ def test_smallest_period_tolerates_a_prefix_and_a_tail() -> None:
     assert smallest_period(np.arange(10)) is None
 
 
+def test_records_steps_are_looked_up_among_the_steps_analysed() -> None:
+    from megatrace.analyze.iterations import Iterations
+
+    none = np.zeros((1, 0), np.int64)
+    it = Iterations("dp-sync", np.array([3, 4, 7]), none, none, none, np.array([-1, 3, 5, 7, 2], np.int32),
+                    np.zeros(5, np.int8))
+    assert it.step_index([4, 7])(it.record_step).tolist() == [-1, -1, -1, 1, -1]
+    assert it.in_steps([3, 7])(np.array([-5, -1, 3, 4, 7, 9])).tolist() == [False, False, True, False, True, False]
+    assert not it.in_steps([])(it.record_step).any()
+
+
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=1), dict(tp=1, pp=3, dp=2),
                                     dict(tp=2, pp=1, dp=2)])
 def test_iterations_are_found_without_markers_and_agree_with_them(tmp_path: Path, layout: dict) -> None:

@@ -70,10 +70,10 @@ class Iterations:
     def step_index(self, steps: list[int]) -> Callable[[np.ndarray], np.ndarray]:
         """A function of records' steps (values of ``record_step``): each one's index in ``steps`` (sorted), -1
         when it is not among them (int32), by a table lookup (``np.isin`` searches per call)."""
-        top = max(int(self.record_step.max(initial=-1)), max(steps, default=-1)) + 2
-        table = np.full(top, -1, np.int32)
+        top = max(int(self.record_step.max(initial=-1)), max(steps, default=-1)) + 3
+        table = np.full(top, -1, np.int32)  # step + 1 -> index; the first and last entries are no step's
         table[np.asarray(steps, np.int64) + 1] = np.arange(len(steps), dtype=np.int32)
-        return lambda step: np.take(table, step + 1, mode="clip")  # (below -1: the "no step" entry)
+        return lambda step: np.take(table, step + 1, mode="clip")  # (out of range: the first or the last entry)
 
     def in_steps(self, steps: list[int]) -> Callable[[np.ndarray], np.ndarray]:
         """A function of records' steps: which are among ``steps`` (see :meth:`step_index`)."""
