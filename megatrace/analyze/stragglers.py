@@ -286,8 +286,11 @@ def take_arrival_lags(stats: dict[int, RankStats], lags: dict[int, tuple[int, ..
 def judge_bursts(stats: dict[int, RankStats], run_ns: int) -> list[int]:
     """Flag the stragglers in bursts (see LONG_LAG_STEP), most waiting caused first; sets ``bursty``."""
     flagged = []
+    group_longs: dict[tuple[int, ...], int] = {}  # (one sum per group: its members share it)
     for s in stats.values():
-        group_long = sum(stats[r].long_lag_ns for r in s.group if r in stats)
+        group_long = group_longs.get(s.group)
+        if group_long is None:
+            group_long = group_longs[s.group] = sum(stats[r].long_lag_ns for r in s.group if r in stats)
         s.bursty = (s.long_lags >= MIN_LONG_LAGS and s.long_lag_ns >= BURST_SHARE * group_long
                     and s.long_lag_ns >= MIN_BURST_RUN_SHARE * run_ns)
         if s.bursty:
