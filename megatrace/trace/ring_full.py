@@ -28,7 +28,7 @@ def copy_full(fd: int, path: str) -> tuple[RingHeader, list[ReadProblem], SlotCo
         got = len(body) + fmt.HEADER_SIZE
         problems.append(ReadProblem(path, got, f"file truncated: {got} of {expected} bytes; "
                                                f"slots {n_slots}..{cap - 1} are lost"))
-    raw = np.frombuffer(body[:n_slots * fmt.RECORD_SIZE], dtype=np.uint8).reshape(n_slots, fmt.RECORD_SIZE).copy()
+    raw = body[:n_slots * fmt.RECORD_SIZE].reshape(n_slots, fmt.RECORD_SIZE)  # (its own buffer: writable, no copy)
     slots = np.arange(n_slots, dtype=np.uint64)
     empty, head_ok, tail_ok = validate_ring(raw, cap)
 

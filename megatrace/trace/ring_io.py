@@ -53,14 +53,13 @@ def will_need(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
-def pread_all(fd: int, n: int, offset: int) -> bytes:
-    """``n`` bytes at ``offset`` (fewer at the end of the file)."""
-    parts = []
-    while n > 0:
-        chunk = os.pread(fd, min(n, 1 << 26), offset)
-        if not chunk:
+def pread_all(fd: int, n: int, offset: int) -> np.ndarray:
+    """``n`` bytes at ``offset`` (fewer at the end of the file), read straight into a writable uint8 array."""
+    buf = np.empty(max(n, 0), np.uint8)
+    got = 0
+    while got < len(buf):
+        k = os.preadv(fd, [buf[got:got + (1 << 26)]], offset + got)
+        if not k:
             break
-        parts.append(chunk)
-        n -= len(chunk)
-        offset += len(chunk)
-    return b"".join(parts)
+        got += k
+    return buf[:got]
