@@ -27,7 +27,7 @@ from megatrace.analyze.index import CHUNK, RecordIndex, chunks, rank_positions
 from megatrace.analyze.segments import (ACT_IN, ACT_OUT, DP, GRAD_IN, GRAD_OUT, MARKER, OTHER, P2P_ROLES, PP_OTHER,
                                         TP, RankSegments, Segmenter)
 from megatrace.config import Layout
-from megatrace.load.traceset import TraceSet
+from megatrace.load.traceset import TraceSet, rank_spans
 from megatrace.schedule import SCHEDULES
 from megatrace.trace.ring_format import Op
 
@@ -207,13 +207,7 @@ def _microbatches(trace: TraceSet, role: np.ndarray, layout: Layout, notes: list
 
 def rank_chunks(trace: TraceSet, max_rows: int = CHUNK) -> Iterator[tuple[int, int]]:
     """Ranges ``[i0, i1)`` of rank positions whose records span at most about ``max_rows`` rows."""
-    n = len(trace.ranks)
-    i0 = 0
-    while i0 < n:
-        i1 = int(np.searchsorted(trace.starts, trace.starts[i0] + max_rows, side="right")) - 1
-        i1 = min(max(i1, i0 + 1), n)
-        yield i0, i1
-        i0 = i1
+    return rank_spans(trace.starts, max_rows)
 
 
 def _positions(trace: TraceSet, i0: int, i1: int) -> np.ndarray:

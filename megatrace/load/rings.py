@@ -19,7 +19,8 @@ import numpy as np
 
 from megatrace.files import open_input, read_fd, read_input
 from megatrace.load.discovery import RING_RE
-from megatrace.load.traceset import COLUMNS, LoadProblem, RankInfo, Records, TraceSet, name_list, plural, rank_list
+from megatrace.load.traceset import (COLUMNS, LoadProblem, RankInfo, Records, TraceSet, name_list, plural, rank_list,
+                                     rank_spans)
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_reader import (META_LIMIT, RECORD_DTYPE, ReadProblem, RingFormatError, RingHeader,
                                          RingSnapshot, open_budget, read_meta, read_ring, read_tails)
@@ -119,8 +120,8 @@ class RecordColumns:
     """Preallocated record columns, appended to rank by rank (grown if a live ring outgrew its header).
 
     The columns of :data:`NARROW` are int32 while every value appended fits (the usual case: a rank's sequence
-    numbers and message sizes below 2**31), widened to int64 by the first batch that does not: 12 bytes less a
-    record, a fifth of the columns, at 16,384 ranks 0.35 GiB.
+    numbers and message sizes below 2**31), widened to int64 by the first block of records that does not: 12 bytes
+    less a record, a fifth of the columns, at 16,384 ranks 0.35 GiB.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -417,9 +418,7 @@ def _unknown_groups(records: Records, counts: np.ndarray, metas: dict[int, list[
         columns = [np.array([k[j] if j < len(k) else -1 for k in known], dtype=np.int64) for j in range(width)]
         bounds = np.r_[0, np.cumsum(counts)]
         parts = []
-        i0 = 0
-        while i0 < len(known):  # ranks together up to about _UNKNOWN_ROWS rows: temporaries bounded
-            i1 = max(i0 + 1, int(np.searchsorted(bounds, bounds[i0] + _UNKNOWN_ROWS, side="right")) - 1)
+        for i0, i1 in rank_spans(bounds, _UNKNOWN_ROWS):
             lo, hi = int(bounds[i0]), int(bounds[i1])
             gid = records.group_id[lo:hi]
             declared = np.zeros(hi - lo, bool)
@@ -427,7 +426,6 @@ def _unknown_groups(records: Records, counts: np.ndarray, metas: dict[int, list[
                 declared |= gid == np.repeat(column[i0:i1], counts[i0:i1])
             left = lo + np.flatnonzero((records.op[lo:hi] < fmt.Op.MARK_STEP) & ~declared)
             parts.append((records.rank[left].astype(np.int64) << 32) | records.group_id[left].astype(np.int64))
-            i0 = i1
         keys = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     else:  # some rank declares many groups: a sorted membership test
         keyed = records.op < fmt.Op.MARK_STEP

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -284,6 +285,18 @@ class TraceSet:
     def group_label(self, gid: int) -> str:
         g = self.groups.get(gid)
         return g.label if g is not None else f"group {gid}"
+
+
+def rank_spans(starts: np.ndarray, max_rows: int) -> Iterator[tuple[int, int]]:
+    """Ranges ``[i0, i1)`` of rank positions whose rows (rank ``i``: ``starts[i]:starts[i + 1]``) span at most
+    about ``max_rows`` rows (a single larger rank alone): whole ranks at a time, temporaries bounded."""
+    n = len(starts) - 1
+    i0 = 0
+    while i0 < n:
+        i1 = int(np.searchsorted(starts, starts[i0] + max_rows, side="right")) - 1
+        i1 = min(max(i1, i0 + 1), n)
+        yield i0, i1
+        i0 = i1
 
 
 def rank_list(ranks: tuple[int, ...] | list[int], limit: int = MAX_LISTED) -> str:
