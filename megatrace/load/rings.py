@@ -24,6 +24,7 @@ from megatrace.load.traceset import (COLUMNS, LoadProblem, RankInfo, Records, Tr
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_reader import (META_LIMIT, RECORD_DTYPE, ReadProblem, RingFormatError, RingHeader,
                                          RingSnapshot, open_budget, read_meta, read_ring, read_tails)
+from megatrace.trace.ring_records import NARROWABLE, native_split, split_records
 from megatrace.trace.tail_pack import PackedFile
 
 @dataclass
@@ -112,7 +113,7 @@ class Tally:
                                         ranks=tuple(self.no_meta)))
 
 
-NARROW = ("seq", "group_seq", "nbytes")  # int64 in the ring format, int32 in the columns while the values fit
+NARROW = NARROWABLE  # int64 in the ring format, int32 in the columns while the values fit
 _I32 = np.iinfo(np.int32)
 
 
@@ -133,17 +134,24 @@ class RecordColumns:
         self.extend([rank], [recs])
 
     def extend(self, ranks: list[int], parts: list[np.ndarray]) -> None:
-        """Append the rows ``parts[k]`` (records with every column but ``rank``, one dtype) of ``ranks[k]``, in one
-        copy per column (the ranks of a batch together: thousands of small copies cost more than the bytes)."""
+        """Append the rows ``parts[k]`` (records with every column but ``rank``, one dtype) of ``ranks[k]``: one pass of
+        C per part, or without the extension one copy per column of the whole batch (thousands of small copies
+        cost more than the bytes)."""
         counts = [len(p) for p in parts]
         end = self.n + sum(counts)
         if end > len(self.data["rank"]):
             self.data = {name: _grown(col, self.n, max(end, 2 * len(col))) for name, col in self.data.items()}
-        if end > self.n:
+        if end > self.n and native_split():  # one pass of C per part
+            at = self.n
+            for part in parts:
+                self._copy(part, at)
+                at += len(part)
+        elif end > self.n:
             # (joined as plain bytes: numpy's concatenate of records compares their fields' dtypes, one by one)
             joined = np.concatenate([np.ascontiguousarray(p).view(np.uint8) for p in parts]).view(parts[0].dtype) \
                 if len(parts) > 1 else parts[0]
             self._copy(joined, self.n)
+        if end > self.n:
             self.data["rank"][self.n:end] = np.repeat(np.array(ranks, np.int32), counts)
         self.n = end
 
@@ -151,10 +159,18 @@ class RecordColumns:
         """Copy the fields of ``recs`` into the columns from row ``at`` (all but ``rank``), widening a narrow column
         that a value does not fit first.
 
-        Block by block: each block of records stays in cache while its fields are checked and picked out.
+        Block by block: each block of records stays in cache while its fields are checked and picked out (in one
+        pass of C when the extension is built, else field by field).
         """
         for lo in range(0, len(recs), _COPY_BLOCK):
             part = recs[lo:lo + _COPY_BLOCK]
+            wide = split_records(part, self.data, at + lo)
+            while wide:  # (a value that an int32 column does not fit: widen it, copy the block again)
+                for name in wide:
+                    self.data[name] = self.data[name].astype(np.int64)
+                wide = split_records(part, self.data, at + lo)
+            if wide is not None:
+                continue
             for name in NARROW:
                 col, v = self.data[name], part[name]
                 if col.dtype == np.int32 and (v.max() > _I32.max or v.dtype.kind == "i" and v.min() < _I32.min):

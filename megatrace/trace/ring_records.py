@@ -11,8 +11,9 @@ from megatrace.trace import ring_format as fmt
 
 try:
     from megatrace.trace._ringfast import scan_slots as _scan_slots  # type: ignore[import-not-found]
-except ImportError:  # not built (no C compiler at install): numpy does the same checks
-    _scan_slots = None
+    from megatrace.trace._ringfast import split_records as _split_records  # type: ignore[import-not-found]
+except ImportError:  # not built (no C compiler at install): numpy does the same checks and copies
+    _scan_slots = _split_records = None
 
 RECORD_DTYPE = np.dtype([
     ("seq", "<u8"), ("group_seq", "<u8"), ("t_enqueue", "<i8"), ("nbytes", "<u8"),
@@ -128,3 +129,25 @@ class SlotCopy:
     tail_ok: np.ndarray
     suspects: Callable[[], np.ndarray]
     raced: np.ndarray  # bool: the row's slot was refilled on a later lap while it was read
+
+
+# The columns split_records fills, in its order (the record's fields but the checksums and padding).
+SPLIT_COLUMNS = ("seq", "group_seq", "t_enqueue", "t_complete", "nbytes", "group_id", "peer", "op", "dtype", "flags",
+                 "state")
+NARROWABLE = ("seq", "group_seq", "nbytes")  # the columns split_records also fills when they are int32
+
+
+def native_split() -> bool:
+    """Whether :func:`split_records` runs in C (else it returns None and the caller copies field by field)."""
+    return _split_records is not None
+
+
+def split_records(recs: np.ndarray, columns: dict[str, np.ndarray], at: int) -> tuple[str, ...] | None:
+    """Copy the fields of ``recs`` (rows of :data:`RECORD_DTYPE`) into rows ``at..`` of ``columns`` (a 1-D array
+    per name of :data:`SPLIT_COLUMNS`, each of its field's dtype, or int32 for those of :data:`NARROWABLE`), in one
+    pass of C. Returns the int32 columns that a value does not fit (their rows then not all written; () when
+    done), or None when the extension is not built (the caller copies field by field)."""
+    if _split_records is None:
+        return None
+    over = _split_records(np.ascontiguousarray(recs).view(np.uint8), at, *(columns[name] for name in SPLIT_COLUMNS))
+    return tuple(name for bit, name in enumerate(NARROWABLE) if over >> bit & 1)

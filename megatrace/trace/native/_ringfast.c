@@ -1,5 +1,6 @@
 /*
- * megatrace.trace._ringfast: the ring writer's hot path in C, and the reader's slot checks.
+ * megatrace.trace._ringfast: the ring writer's hot path in C, the reader's slot checks and the loader's
+ * records-to-columns copy.
  *
  * RingWriter (ring_writer.py) uses it when it was built and falls back to its
  * pure-Python twin otherwise; both write the same bytes (ring_record.h). Calls
@@ -409,10 +410,109 @@ done:
     Py_RETURN_NONE;
 }
 
+/*
+ * The loader's hot path: whole records into columns (load/rings.py, RecordColumns). Rows at..at+n of each
+ * column get the fields of the n records of `raw`, in the order of SPLIT_COLUMNS; seq, group_seq and nbytes
+ * may be 4-byte columns (the others have their field's size). Returns the columns among those three that a
+ * value does not fit (bit 0 seq, 1 group_seq, 2 nbytes; their rows are then not all written): 0 when done.
+ */
+#define SPLIT_COLUMNS 11
+static const struct {
+    unsigned offset, size; /* in the record; size 8 for the three that may be narrowed to 4 */
+    int narrow_bit;        /* -1: never narrowed */
+} split_fields[SPLIT_COLUMNS] = {
+    {0, 8, 0},  /* seq */
+    {8, 8, 1},  /* group_seq */
+    {16, 8, -1}, /* t_enqueue */
+    {48, 8, -1}, /* t_complete */
+    {24, 8, 2},  /* nbytes */
+    {32, 4, -1}, /* group_id */
+    {36, 4, -1}, /* peer */
+    {40, 2, -1}, /* op */
+    {42, 1, -1}, /* dtype */
+    {43, 1, -1}, /* flags */
+    {56, 1, -1}, /* state */
+};
+
+static PyObject *split_records(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer raw, col[SPLIT_COLUMNS];
+    Py_ssize_t at, n, k = 0;
+    unsigned char *out[SPLIT_COLUMNS];
+    int width[SPLIT_COLUMNS];
+    long over = 0;
+    if (nargs != 2 + SPLIT_COLUMNS) {
+        PyErr_SetString(PyExc_TypeError, "split_records(raw, at, seq, group_seq, t_enqueue, t_complete, nbytes, "
+                                         "group_id, peer, op, dtype, flags, state)");
+        return NULL;
+    }
+    at = PyLong_AsSsize_t(args[1]);
+    if (at == -1 && PyErr_Occurred())
+        return NULL;
+    if (at < 0) {
+        PyErr_SetString(PyExc_ValueError, "at must be at least 0");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &raw, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (raw.len % MT_RECORD_SIZE) {
+        PyBuffer_Release(&raw);
+        PyErr_SetString(PyExc_ValueError, "raw must hold whole 64-byte records");
+        return NULL;
+    }
+    n = raw.len / MT_RECORD_SIZE;
+    for (; k < SPLIT_COLUMNS; k++) {
+        if (PyObject_GetBuffer(args[2 + k], &col[k], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto done;
+        width[k] = (int)col[k].itemsize;
+        if (!(width[k] == (int)split_fields[k].size || (split_fields[k].narrow_bit >= 0 && width[k] == 4))
+            || col[k].len / width[k] < at + n) {
+            PyBuffer_Release(&col[k]);
+            PyErr_Format(PyExc_ValueError, "column %zd: %d-byte items or fewer than %zd rows", k, width[k], at + n);
+            goto done;
+        }
+        out[k] = (unsigned char *)col[k].buf + (size_t)at * (size_t)width[k];
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *row = raw.buf;
+    /* Straight-line per record (the widths of the three narrowable columns are the same for every row). */
+    for (Py_ssize_t i = 0; i < n; i++, row += MT_RECORD_SIZE) {
+        for (int c = 0; c < 5; c++) { /* the 8-byte fields: seq, group_seq, t_enqueue, t_complete, nbytes */
+            uint64_t v;
+            memcpy(&v, row + split_fields[c].offset, 8);
+            if (width[c] == 8) {
+                memcpy(out[c] + 8 * i, &v, 8);
+            } else {
+                uint32_t low = (uint32_t)v;
+                over |= (long)(v > (uint64_t)INT32_MAX) << split_fields[c].narrow_bit;
+                memcpy(out[c] + 4 * i, &low, 4);
+            }
+        }
+        memcpy(out[5] + 4 * i, row + 32, 4); /* group_id */
+        memcpy(out[6] + 4 * i, row + 36, 4); /* peer */
+        memcpy(out[7] + 2 * i, row + 40, 2); /* op */
+        out[8][i] = row[42];                 /* dtype */
+        out[9][i] = row[43];                 /* flags */
+        out[10][i] = row[56];                /* state */
+    }
+    Py_END_ALLOW_THREADS
+done:
+    while (k-- > 0)
+        PyBuffer_Release(&col[k]);
+    PyBuffer_Release(&raw);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLong(over);
+}
+
 static PyMethodDef module_methods[] = {
     {"scan_slots", (PyCFunction)(void (*)(void))scan_slots, METH_FASTCALL,
      "scan_slots(raw, capacity, empty, head_ok, tail_ok): ring_records.validate() of a whole ring's copy "
      "(row i is slot i), its three masks written into the given one-byte-per-row buffers."},
+    {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL,
+     "split_records(raw, at, seq, group_seq, t_enqueue, t_complete, nbytes, group_id, peer, op, dtype, flags, "
+     "state): the fields of raw's records into rows at.. of the columns; the bits of the 4-byte columns among "
+     "seq, group_seq, nbytes (1, 2, 4) that a value does not fit, 0 when all were written."},
     {NULL, NULL, 0, NULL},
 };
 
