@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrace.trace.ring_reader import read_ring
+from megatrace.trace.ring_records import SlotSummary
 from megatrace.trace.ring_writer import RingIdentity, RingWriter
 
 pytest.importorskip("megatrace.trace._ringfast", reason="C hot path not built (no compiler at install)")
@@ -85,12 +86,49 @@ def test_c_slot_checks_give_the_numpy_masks_on_damaged_slots(tmp_path: Path) -> 
     body[rows[60:65], 56] = 7  # a state out of range (checksum fixed below for some)
     body[rows[65:70], 57] = 1  # padding that the tail check covers
     body[rows[70:72], 44:48] = 0  # head check zeroed
-    c_masks = validate_ring(body, capacity)
+    *c_masks, summary = validate_ring(body, capacity)
     py_masks = validate(body, np.arange(capacity, dtype=np.uint64), capacity)
     for name, c, py in zip(("empty", "head_ok", "tail_ok"), c_masks, py_masks, strict=True):
         assert np.array_equal(c, py), name
     assert c_masks[1].sum() < capacity - 40 and c_masks[0].sum() >= 10  # the damage was seen
+    assert summary == _summary_of(body, *py_masks) and not summary.clean and not summary.ascending
     assert validate_ring(body[:0], capacity)[0].shape == (0,)
+    assert validate_ring(body[:0], capacity)[3] == SlotSummary(0, 0, -1, -1, True, True)
+
+
+def _summary_of(body, empty, head_ok, tail_ok):
+    """The SlotSummary of a ring's copy, worked out with numpy from its masks."""
+    import numpy as np
+
+    from megatrace.trace.ring_records import RECORD_DTYPE
+
+    rows = np.flatnonzero(head_ok)
+    seqs = body.view(RECORD_DTYPE).reshape(-1)["seq"][rows]
+    return SlotSummary(len(rows), int(seqs.max(initial=0)), int(rows[0]) if len(rows) else -1,
+                       int(rows[-1]) if len(rows) else -1, bool((seqs[1:] > seqs[:-1]).all()),
+                       bool((empty | head_ok & tail_ok).all()))
+
+
+@pytest.mark.parametrize("written", [0, 1, 50, 64, 100, 130])
+def test_c_slot_summary_of_finished_rings(tmp_path: Path, written: int) -> None:
+    """The summary the reader trusts to skip its mask passes: of a clean ring, empty, partly filled, full or lapped
+    (its rows then ascend in two runs)."""
+    import numpy as np
+
+    from megatrace.trace import ring_format as fmt
+    from megatrace.trace.ring_records import validate, validate_ring
+
+    writer = RingWriter(tmp_path, RingIdentity(rank=0, world_size=1), capacity=64, use_native=True)
+    for k in range(written):
+        writer.complete(writer.begin(1, 7, k, 8, -1, 0, 0), 2)
+    writer.close()
+    body = np.fromfile(writer.path, np.uint8)[fmt.HEADER_SIZE:].reshape(64, fmt.RECORD_SIZE).copy()
+    *_, summary = validate_ring(body, 64)
+    assert summary == _summary_of(body, *validate(body, np.arange(64, dtype=np.uint64), 64))
+    assert summary.clean and summary.whole == min(written, 64) and summary.newest == written
+    assert summary.ascending == (written <= 64)
+    snap = read_ring(writer.path)
+    assert snap.records["seq"].tolist() == list(range(max(1, written - 63), written + 1)) and not snap.problems
 
 
 def test_c_slot_checks_refuse_bad_buffers() -> None:

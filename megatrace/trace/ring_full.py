@@ -30,7 +30,7 @@ def copy_full(fd: int, path: str) -> tuple[RingHeader, list[ReadProblem], SlotCo
                                                f"slots {n_slots}..{cap - 1} are lost"))
     raw = body[:n_slots * fmt.RECORD_SIZE].reshape(n_slots, fmt.RECORD_SIZE)  # (its own buffer: writable, no copy)
     slots = np.arange(n_slots, dtype=np.uint64)
-    empty, head_ok, tail_ok = validate_ring(raw, cap)
+    empty, head_ok, tail_ok, summary = validate_ring(raw, cap)
 
     # A live writer may be mid-record: the slots that failed are read again, a few times. A re-read
     # may only return a record that fits this snapshot (at most one past its newest record):
@@ -39,18 +39,28 @@ def copy_full(fd: int, path: str) -> tuple[RingHeader, list[ReadProblem], SlotCo
     # the writer refilled it (a reader preempted mid-copy, or a writer thread between taking its
     # number and writing): it is re-read too, so the copy does not skip the record it now holds.
     seqs = raw.view(RECORD_DTYPE).reshape(-1)["seq"]  # a view: follows the re-reads
-    newest = int(seqs[head_ok].max()) if head_ok.any() else 0
+    if summary is not None:
+        newest = summary.newest
+    else:
+        newest = int(seqs[head_ok].max()) if head_ok.any() else 0
     limit = max(newest, min(header.write_counter, newest + 1)) + 1
     live = not header.closed_cleanly
+    # Every slot empty or whole, and no slot a lap behind (the usual copy, of a finished or a quiet ring): no suspect
+    quiet = summary if summary is not None and summary.clean and not (live and newest > cap) else None
 
     def suspects() -> np.ndarray:
+        if quiet is not None:
+            return _NO_ROWS
         odd = ~empty & (~head_ok | ~tail_ok)
         if live and newest > cap:
             odd |= head_ok & (seqs <= np.uint64(newest - cap))
         return np.flatnonzero(odd)
 
-    copy = SlotCopy(raw, slots, limit, cap, empty, head_ok, tail_ok, suspects, np.zeros(n_slots, bool))
+    copy = SlotCopy(raw, slots, limit, cap, empty, head_ok, tail_ok, suspects, np.zeros(n_slots, bool), quiet)
     return header, problems, copy
+
+
+_NO_ROWS = np.zeros(0, np.intp)
 
 
 def _drop_records_written_during_read(valid: np.ndarray, header: RingHeader) -> np.ndarray:
@@ -80,6 +90,12 @@ def _drop_records_written_during_read(valid: np.ndarray, header: RingHeader) -> 
 def _valid_records(copy: SlotCopy, header: RingHeader) -> np.ndarray:
     """The records with a whole head, sorted by seq; those with a torn completion kept as entered."""
     records = copy.raw.view(RECORD_DTYPE).reshape(-1)
+    if copy.quiet is not None:  # every slot empty or whole, none read again: what the scan said of the rows
+        q = copy.quiet
+        valid = records[q.first:q.last + 1] if q.last - q.first + 1 == q.whole else records[copy.head_ok]
+        if not q.ascending:
+            valid = valid[np.argsort(valid["seq"], kind="stable")]
+        return _drop_records_written_during_read(valid, header)
     torn_tail = copy.head_ok & ~copy.tail_ok
     if torn_tail.any():
         fixed = records[torn_tail].copy()
@@ -110,7 +126,7 @@ def full_snapshot(path: str, header: RingHeader, problems: list[ReadProblem], co
     max_seq = max(max_seq, min(header.write_counter, max_seq + 1))
     dropped = max(0, max_seq - cap)
     # Every slot empty or whole and none raced (the usual copy): no torn or unreadable slot to look for.
-    odd = bool(raced.any()) or not (copy.empty | (copy.head_ok & copy.tail_ok)).all()
+    odd = copy.quiet is None and (bool(raced.any()) or not (copy.empty | (copy.head_ok & copy.tail_ok)).all())
     # A slot torn when copied and refilled on a later lap by the re-read: the record it held in this
     # window, and every older one, are overwritten now (as in the tail read). Keeping the older ones
     # would leave a gap where that record was.

@@ -84,14 +84,27 @@ def validate(raw: np.ndarray, slots: np.ndarray,
     return empty, head_ok, tail_ok
 
 
-def validate_ring(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class SlotSummary:
+    """What the C scan of a ring's slots also tells (row ``i`` being slot ``i``)."""
+
+    whole: int  # rows with a whole head (head_ok)
+    newest: int  # their largest sequence number (0: none)
+    first: int  # the first and last such row (-1: none)
+    last: int
+    ascending: bool  # their sequence numbers ascend row by row
+    clean: bool  # every row empty or whole (head and tail)
+
+
+def validate_ring(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, SlotSummary | None]:
     """:func:`validate` of a whole ring's copy, row ``i`` being slot ``i``: in one pass of C when the extension
-    is built (a full load checks every slot of every ring), else with numpy; both give the same masks."""
+    is built (a full load checks every slot of every ring), else with numpy; both give the same masks. The C pass
+    also gives their :class:`SlotSummary` (None without it)."""
     if _scan_slots is None or not raw.flags.c_contiguous:
-        return validate(raw, np.arange(len(raw), dtype=np.uint64), capacity)
+        return (*validate(raw, np.arange(len(raw), dtype=np.uint64), capacity), None)
     masks = np.empty((3, len(raw)), bool)
-    _scan_slots(raw, capacity, masks[0], masks[1], masks[2])
-    return masks[0], masks[1], masks[2]
+    summary = SlotSummary(*_scan_slots(raw, capacity, masks[0], masks[1], masks[2]))
+    return masks[0], masks[1], masks[2], summary
 
 
 def whole_records(raw: np.ndarray, seqs: np.ndarray) -> np.ndarray:
@@ -129,6 +142,7 @@ class SlotCopy:
     tail_ok: np.ndarray
     suspects: Callable[[], np.ndarray]
     raced: np.ndarray  # bool: the row's slot was refilled on a later lap while it was read
+    quiet: SlotSummary | None = None  # set when no row is suspect (none is read again): the masks' summary
 
 
 # The columns split_records fills, in its order (the record's fields but the checksums and padding).

@@ -360,6 +360,12 @@ static PyObject *scan_slots(PyObject *Py_UNUSED(module), PyObject *const *args, 
     Py_buffer raw, mask[3];
     unsigned long long capacity;
     Py_ssize_t n, k = 0;
+    /* What the reader would otherwise work out from the masks with a dozen numpy passes over a small ring: the
+     * whole records (head_ok), the newest, the first and last row holding one, whether their sequence numbers
+     * ascend row by row, and whether every slot is empty or whole (head and tail). */
+    Py_ssize_t count = 0, first = -1, last = -1;
+    uint64_t newest = 0, prev = 0;
+    int ascending = 1, clean = 1;
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "scan_slots(raw, capacity, empty, head_ok, tail_ok)");
         return NULL;
@@ -399,6 +405,14 @@ static PyObject *scan_slots(PyObject *Py_UNUSED(module), PyObject *const *args, 
         head_ok[i] = seq > 0 && (seq - 1) % capacity == (uint64_t)i && mt_adler32(row, MT_HEAD_LEN) == head_check;
         tail_ok[i] = mt_tail_check(t_complete, state_word, seq) == tail_check && row[MT_TAIL_OFFSET + 8] >= 1
                      && row[MT_TAIL_OFFSET + 8] <= 3;
+        clean &= empty[i] || (head_ok[i] && tail_ok[i]);
+        if (head_ok[i]) {
+            ascending &= count == 0 || seq > prev;
+            prev = seq;
+            newest = seq > newest ? seq : newest;
+            first = count++ == 0 ? i : first;
+            last = i;
+        }
     }
     Py_END_ALLOW_THREADS
 done:
@@ -407,7 +421,7 @@ done:
     PyBuffer_Release(&raw);
     if (PyErr_Occurred())
         return NULL;
-    Py_RETURN_NONE;
+    return Py_BuildValue("(nKnnii)", count, (unsigned long long)newest, first, last, ascending, clean);
 }
 
 /*
@@ -508,7 +522,8 @@ done:
 static PyMethodDef module_methods[] = {
     {"scan_slots", (PyCFunction)(void (*)(void))scan_slots, METH_FASTCALL,
      "scan_slots(raw, capacity, empty, head_ok, tail_ok): ring_records.validate() of a whole ring's copy "
-     "(row i is slot i), its three masks written into the given one-byte-per-row buffers."},
+     "(row i is slot i), its three masks written into the given one-byte-per-row buffers; returns (whole "
+     "records, newest seq, first and last row of one or -1, their seqs ascend by row, every slot empty or whole)."},
     {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL,
      "split_records(raw, at, seq, group_seq, t_enqueue, t_complete, nbytes, group_id, peer, op, dtype, flags, "
      "state): the fields of raw's records into rows at.. of the columns; the bits of the 4-byte columns among "
