@@ -141,7 +141,7 @@ class RecordColumns:
         end = self.n + sum(counts)
         if end > len(self.data["rank"]):
             self.data = {name: _grown(col, self.n, max(end, 2 * len(col))) for name, col in self.data.items()}
-        if end > self.n and native_split():  # one pass of C per part
+        if end > self.n and native_split() and parts[0].dtype == RECORD_DTYPE:  # one pass of C per part
             at = self.n
             for part in parts:
                 self._copy(part, at)

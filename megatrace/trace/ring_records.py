@@ -157,11 +157,11 @@ def native_split() -> bool:
 
 
 def split_records(recs: np.ndarray, columns: dict[str, np.ndarray], at: int) -> tuple[str, ...] | None:
-    """Copy the fields of ``recs`` (rows of :data:`RECORD_DTYPE`) into rows ``at..`` of ``columns`` (a 1-D array
-    per name of :data:`SPLIT_COLUMNS`, each of its field's dtype, or int32 for those of :data:`NARROWABLE`), in one
-    pass of C. Returns the int32 columns that a value does not fit (their rows then not all written; () when
-    done), or None when the extension is not built (the caller copies field by field)."""
-    if _split_records is None:
+    """Copy the fields of ``recs`` (rows of :data:`RECORD_DTYPE`) into rows ``at..`` of ``columns`` (a 1-D array per
+    name of :data:`SPLIT_COLUMNS`, each of its field's dtype, or int32 for those of :data:`NARROWABLE`), in one pass
+    of C. Returns the int32 columns that a value does not fit (their rows then not all written; () when done), or
+    None when the extension is not built or the rows are not ring records (the caller copies field by field)."""
+    if _split_records is None or recs.dtype != RECORD_DTYPE:  # (an importer's rows: another layout)
         return None
     over = _split_records(np.ascontiguousarray(recs).view(np.uint8), at, *(columns[name] for name in SPLIT_COLUMNS))
     return tuple(name for bit, name in enumerate(NARROWABLE) if over >> bit & 1)
