@@ -12,7 +12,8 @@ PYTEST_ARGS ?=
 install: $(STAMP)
 
 NATIVE := megatrace/trace/native/_ringfast.c megatrace/trace/native/ring_record.h \
-	megatrace/trace/native/c10d_hook.cpp megatrace/trace/nccl/*.c megatrace/trace/nccl/*.h
+	megatrace/analyze/native/_kernels.c megatrace/trace/native/c10d_hook.cpp \
+	megatrace/trace/nccl/*.c megatrace/trace/nccl/*.h
 
 $(STAMP): pyproject.toml Makefile $(NATIVE)
 	$(PY) -m venv $(VENV)

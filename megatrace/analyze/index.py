@@ -23,6 +23,11 @@ from megatrace.load.traceset import TraceSet
 from megatrace.names import unknown_op_name
 from megatrace.trace.ring_format import Op
 
+try:
+    from megatrace.analyze._kernels import key_ranges, place  # type: ignore[import-not-found]
+except ImportError:  # not built (no C compiler at install): numpy makes the same passes
+    key_ranges = place = None
+
 SEND, RECV = int(Op.SEND), int(Op.RECV)
 MARKER_MIN = int(Op.MARK_STEP)
 CHUNK = 1 << 20  # rows per vectorised pass: ~25 MB of temporaries each (larger measured slower: fresh memory)
@@ -126,40 +131,49 @@ def _id_dtype(n: int) -> type:
     return np.int32 if n < np.iinfo(np.int32).max else np.int64
 
 
-def _dense_ids(keys: np.ndarray, seqs: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Ids of (key, seq) for rows with ``keys >= 0``: (id per row or -1, key per id, seq per id)."""
+def _dense_ids(keys: np.ndarray, seqs: np.ndarray, n_keys: int,
+               op: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ids of (key, seq) for rows with ``keys >= 0`` (with ``op``, the records' ops: not a send or a recv either):
+    (id per row or -1, key per id, seq per id). Its passes over the rows run in C when the extension is built."""
     n = len(keys)
     ids = np.full(n, -1, _id_dtype(n))
     smin = np.full(n_keys, I64_MAX, np.int64)
     smax = np.full(n_keys, -1, np.int64)
-    rows = 0
-    for sl in chunks(n):
-        k = keys[sl]
-        sel = k >= 0
-        v = seqs[sl][sel].astype(np.int64, copy=False)  # (as the tables: ufunc.at is slow across dtypes)
-        np.minimum.at(smin, k[sel], v)
-        np.maximum.at(smax, k[sel], v)
-        rows += int(sel.sum())
+    rows = key_ranges(keys, seqs, op, SEND, RECV, smin, smax) if key_ranges is not None else -1
+    if rows < 0:  # (numpy; also where C refused: a negative sequence number)
+        smin[:], smax[:], rows = I64_MAX, -1, 0
+        for sl in chunks(n):
+            k = _keys_of(keys, op, sl)
+            sel = k >= 0
+            v = seqs[sl][sel].astype(np.int64, copy=False)  # (as the tables: ufunc.at is slow across dtypes)
+            np.minimum.at(smin, k[sel], v)
+            np.maximum.at(smax, k[sel], v)
+            rows += int(sel.sum())
     if not rows:
         return ids, np.empty(0, _id_dtype(n_keys)), np.empty(0, seqs.dtype)
     span = np.where(smax >= 0, smax - np.minimum(smin, smax) + 1, 0)
     total = int(span.sum())
     key_dtype = _id_dtype(n_keys)  # (the tables per id as narrow as their values: seqs keep their dtype)
-    if total > DENSE_SLACK * rows + 1024:  # sparse sequence numbers (corrupt or huge): sort instead
-        sel = np.flatnonzero(keys >= 0)
+    if total > DENSE_SLACK * rows + 1024 or smin.min() < 0:  # sparse or negative sequence numbers (corrupt or
+        #                                                       huge, beyond 2**63 in the ring): sort instead
+        sel = np.concatenate([sl.start + np.flatnonzero(_keys_of(keys, op, sl) >= 0) for sl in chunks(n)])
         uniq, inv = np.unique(np.stack([keys[sel].astype(np.int64), seqs[sel]]), axis=1, return_inverse=True)
         ids[sel] = inv.reshape(-1)
         return ids, uniq[0].astype(key_dtype), uniq[1].astype(seqs.dtype)
     base = np.concatenate([[0], np.cumsum(span)[:-1]])
     offset = base - smin  # slot = offset[key] + seq
     used = np.zeros(total, bool)
-    for sl in chunks(n):
-        k = keys[sl]
-        sel = np.flatnonzero(k >= 0)
-        slot = offset[k[sel]] + seqs[sl][sel]
-        used[slot] = True
-        ids[sl][sel] = slot
-    if not used.all():  # (every slot used, the usual case: the slots are the ids already)
+    every = place(keys, seqs, op, SEND, RECV, offset, ids, used.view(np.uint8)) if place is not None else -1
+    if every < 0:
+        ids[:] = -1
+        used[:] = False
+        for sl in chunks(n):
+            k = _keys_of(keys, op, sl)
+            sel = np.flatnonzero(k >= 0)
+            slot = offset[k[sel]] + seqs[sl][sel]
+            used[slot] = True
+            ids[sl][sel] = slot
+    if not (every == 1 or used.all()):  # (every slot used, the usual case: the slots are the ids already)
         remap = (np.cumsum(used, dtype=np.int64) - 1).astype(ids.dtype)
         for sl in chunks(n):
             part = ids[sl]
@@ -168,6 +182,14 @@ def _dense_ids(keys: np.ndarray, seqs: np.ndarray, n_keys: int) -> tuple[np.ndar
     slot_key = np.repeat(np.arange(n_keys, dtype=key_dtype), span)
     slot_seq = np.arange(total) - base[slot_key] + smin[slot_key]
     return ids, slot_key[used], slot_seq[used].astype(seqs.dtype)
+
+
+def _keys_of(keys: np.ndarray, op: np.ndarray | None, sl: slice) -> np.ndarray:
+    """The keys of rows ``sl``, -1 for a send or a recv when ``op`` is given."""
+    if op is None:
+        return keys[sl]
+    o = op[sl]
+    return np.where((o != SEND) & (o != RECV), keys[sl], -1)
 
 
 def _group_index(trace: TraceSet, gids: np.ndarray) -> np.ndarray:
@@ -191,12 +213,7 @@ def index_records(trace: TraceSet) -> RecordIndex:
     sizes = np.array([len(trace.groups[int(g)].ranks) for g in gids], dtype=np.int64)
     gidx = _group_index(trace, gids)
 
-    coll_key = np.full(n, -1, np.int32)
-    for sl in chunks(n):
-        op = rec.op[sl]
-        coll_key[sl] = np.where((op != SEND) & (op != RECV), gidx[sl], -1)
-    inst, inst_gidx, inst_seq = _dense_ids(coll_key, rec.group_seq, len(gids))
-    del coll_key
+    inst, inst_gidx, inst_seq = _dense_ids(gidx, rec.group_seq, len(gids), op=rec.op)  # (collectives: no p2p)
 
     world = max(trace.world_size, 1)
     p_rows = np.flatnonzero(((rec.op == SEND) | (rec.op == RECV)) & (gidx >= 0) & (rec.peer >= 0)

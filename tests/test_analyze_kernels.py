@@ -1,0 +1,87 @@
+"""The analysis's C kernels (megatrace/analyze/native/_kernels.c) give what their numpy twins give.
+
+Each case runs the function once as built (its passes in C) and once with the kernels taken away, as on an
+install without a C compiler; the arrays must be equal, dtypes included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatrace.analyze import index
+from megatrace.trace.ring_format import Op
+
+kernels = pytest.importorskip("megatrace.analyze._kernels", reason="C kernels not built (no compiler at install)")
+
+
+def both(fn, *args, **kwargs):
+    """``fn(*args)`` with the C kernels, then with numpy only."""
+    with_c = fn(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(index, "key_ranges", None)
+        m.setattr(index, "place", None)
+        without = fn(*args, **kwargs)
+    return with_c, without
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 400), n_keys=st.integers(1, 9),
+       spread=st.sampled_from([1, 3, 50, 10**6]), seq_dtype=st.sampled_from([np.int32, np.int64]),
+       with_op=st.booleans(), negative=st.booleans())
+def test_dense_ids_in_c_are_numpys(seed: int, n: int, n_keys: int, spread: int,
+                                   seq_dtype: type, with_op: bool, negative: bool) -> None:
+    """Dense and sparse sequence numbers (the sort path), gaps (ids renumbered), rows without a key, sends and
+    receives left out of the collectives, and a negative sequence number (C refuses it: numpy's answer)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-1, n_keys, n).astype(np.int32)
+    seqs = (rng.integers(0, spread, n) + 1).astype(seq_dtype)
+    if negative and n:
+        seqs[rng.integers(0, n)] = -5
+    op = rng.choice(np.array([1, 2, int(Op.SEND), int(Op.RECV)], np.uint16), n) if with_op else None
+    a, b = both(index._dense_ids, keys, seqs, n_keys, op=op)
+    assert_same(a, b)
+    if with_op and n:
+        assert (a[0][(op == Op.SEND) | (op == Op.RECV)] == -1).all()
+
+
+def test_dense_ids_of_a_real_trace_index_are_the_same(tmp_path) -> None:
+    """The whole index of a simulated pipeline job (collectives and p2p pairs), with and without the kernels."""
+    from megatrace.load import load_trace
+    from megatrace.simulate import SimOptions, simulate_job
+
+    simulate_job(SimOptions(tp=2, pp=4, dp=4, out=tmp_path / "t", steps=4))
+    trace = load_trace(tmp_path / "t")
+    a, b = both(index.index_records, trace)
+    for name in ("gidx", "inst", "inst_gidx", "inst_seq", "pair", "pair_chan", "pair_seq", "send_row", "recv_row"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and np.array_equal(x, y), name
+    assert a.n_instances > 0 and a.n_pairs > 0
+
+
+def test_kernels_refuse_what_they_cannot_take() -> None:
+    keys = np.array([0, 1, 0], np.int32)
+    seqs = np.array([1, 2, 3], np.int64)
+    smin, smax = np.full(2, 2**62, np.int64), np.full(2, -1, np.int64)
+    assert kernels.key_ranges(keys, seqs, None, 8, 9, smin, smax) == 3
+    assert smin.tolist() == [1, 2] and smax.tolist() == [3, 2]
+    assert kernels.key_ranges(np.array([5], np.int32), seqs[:1], None, 8, 9, smin, smax) == -1  # key out of range
+    with pytest.raises(ValueError, match="one length"):
+        kernels.key_ranges(keys, seqs[:2], None, 8, 9, smin, smax)
+    with pytest.raises(ValueError, match="integers"):
+        kernels.key_ranges(keys.astype(np.float32), seqs, None, 8, 9, smin, smax)
+    with pytest.raises(TypeError):
+        kernels.key_ranges(keys, seqs, None, smin, smax)
+    ids, used = np.empty(3, np.int32), np.zeros(2, np.uint8)
+    assert kernels.place(keys, seqs, None, 8, 9, np.array([0, 0], np.int64), ids, used) == -1  # slot 3 outside
+    used = np.zeros(4, np.uint8)
+    assert kernels.place(keys, seqs, None, 8, 9, np.array([0, 0], np.int64), ids, used) == 0  # slot 0 unused
+    assert ids.tolist() == [1, 2, 3] and used.tolist() == [0, 1, 1, 1]
