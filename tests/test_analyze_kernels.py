@@ -21,8 +21,8 @@ def both(fn, *args, **kwargs):
     """``fn(*args)`` with the C kernels, then with numpy only."""
     with_c = fn(*args, **kwargs)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(index, "key_ranges", None)
-        m.setattr(index, "place", None)
+        for name in ("key_ranges", "place", "group_index", "p2p_channels"):
+            m.setattr(index, name, None)
         without = fn(*args, **kwargs)
     return with_c, without
 
@@ -61,10 +61,48 @@ def test_dense_ids_of_a_real_trace_index_are_the_same(tmp_path) -> None:
     simulate_job(SimOptions(tp=2, pp=4, dp=4, out=tmp_path / "t", steps=4))
     trace = load_trace(tmp_path / "t")
     a, b = both(index.index_records, trace)
-    for name in ("gidx", "inst", "inst_gidx", "inst_seq", "pair", "pair_chan", "pair_seq", "send_row", "recv_row"):
+    for name in ("gidx", "inst", "inst_gidx", "inst_seq", "pair", "pair_chan", "pair_seq", "send_row", "recv_row",
+                 "chan_gidx", "chan_src", "chan_dst"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     assert a.n_instances > 0 and a.n_pairs > 0
+
+
+def _records(rng: np.random.Generator, n: int, world: int, n_groups: int):
+    from megatrace.load.traceset import COLUMNS, Records
+
+    cols = {name: np.zeros(n, dt) for name, dt in COLUMNS.items()}
+    cols["rank"] = np.sort(rng.integers(0, world, n)).astype(np.int32)
+    cols["peer"] = rng.integers(-2, world + 2, n).astype(np.int32)  # some outside the world
+    cols["op"] = rng.choice(np.array([1, 3, int(Op.SEND), int(Op.RECV), int(Op.MARK_STEP)], np.uint16), n)
+    cols["group_id"] = rng.choice(np.array([7, 9, 1000, 2**32 - 1, 5], np.uint32)[:n_groups + 1], n)
+    return Records(**cols)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 3000), world=st.integers(1, 70), n_groups=st.integers(0, 4))
+def test_group_index_and_p2p_channels_in_c_are_numpys(seed: int, n: int, world: int, n_groups: int) -> None:
+    """Each record's group position (markers and unknown groups left at -1) and the p2p rows with their channels
+    (peers outside the world and rows without a group left out); thousands of channels grow the C hash table."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(seed)
+    rec = _records(rng, n, world, n_groups)
+    gids = np.array(sorted({7, 9, 1000, 2**32 - 1})[:n_groups], np.uint32)
+    trace = SimpleNamespace(records=rec)
+    gidx_c, gidx_np = both(index._group_index, trace, gids)
+    assert gidx_c.dtype == gidx_np.dtype and np.array_equal(gidx_c, gidx_np)
+    assert_same(*both(index._p2p_channels, rec, gidx_c, world))
+
+
+def test_thousands_of_channels_grow_the_c_table() -> None:
+    rng = np.random.default_rng(3)
+    world = 300
+    rec = _records(rng, 200_000, world, 4)
+    gidx = rng.integers(-1, 40, len(rec)).astype(np.int32)
+    a, b = both(index._p2p_channels, rec, gidx, world)
+    assert_same(a, b)
+    assert len(a[1]) > 10_000  # distinct channels: the table grew several times
 
 
 def test_kernels_refuse_what_they_cannot_take() -> None:

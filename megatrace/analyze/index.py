@@ -19,14 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatrace.load.traceset import TraceSet
+from megatrace.load.traceset import Records, TraceSet
 from megatrace.names import unknown_op_name
 from megatrace.trace.ring_format import Op
 
 try:
-    from megatrace.analyze._kernels import key_ranges, place  # type: ignore[import-not-found]
+    from megatrace.analyze._kernels import (group_index, key_ranges, p2p_channels,  # type: ignore[import-not-found]
+                                            place)
 except ImportError:  # not built (no C compiler at install): numpy makes the same passes
-    key_ranges = place = None
+    group_index = key_ranges = p2p_channels = place = None
+MAX_KERNEL_WORLD = 1 << 21  # the C channel keys take worlds up to this size (MAX_WORLD_SIZE is below it)
 
 SEND, RECV = int(Op.SEND), int(Op.RECV)
 MARKER_MIN = int(Op.MARK_STEP)
@@ -197,12 +199,39 @@ def _group_index(trace: TraceSet, gids: np.ndarray) -> np.ndarray:
     gidx = np.full(len(rec), -1, np.int32)
     if not len(gids):
         return gidx
+    if group_index is not None:
+        group_index(rec.group_id, rec.op, gids, MARKER_MIN, gidx)
+        return gidx
     for sl in chunks(len(rec)):
         g = rec.group_id[sl]
         pos = np.minimum(np.searchsorted(gids, g), len(gids) - 1)
         known = (gids[pos] == g) & (rec.op[sl] < MARKER_MIN)
         gidx[sl][known] = pos[known]
     return gidx
+
+
+def _p2p_channels(rec: Records, gidx: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The point-to-point rows (a send or recv in a known group, to a peer in the world), the sorted distinct
+    channel keys ``(gidx * world + src) * world + dst``, and each row's channel (its key's position, int32)."""
+    n = len(rec)
+    if p2p_channels is not None and world <= MAX_KERNEL_WORLD:  # one C pass: a hash table of the few channels
+        rows, chan = np.empty(n, _id_dtype(n)), np.empty(n, np.int32)
+        count, seen = p2p_channels(rec.op, gidx, rec.rank, rec.peer, world, SEND, RECV, rows, chan)
+        first_seen = np.frombuffer(seen, np.int64)
+        order = np.argsort(first_seen, kind="stable")
+        position = np.empty(len(order), np.int32)
+        position[order] = np.arange(len(order), dtype=np.int32)
+        return rows[:count], first_seen[order], position[chan[:count]]
+    p_rows = np.flatnonzero(((rec.op == SEND) | (rec.op == RECV)) & (gidx >= 0) & (rec.peer >= 0)
+                            & (rec.peer < world)).astype(_id_dtype(n))
+    sends = rec.op[p_rows] == SEND
+    me, peer = rec.rank[p_rows].astype(np.int64), rec.peer[p_rows].astype(np.int64)
+    chan_key = (gidx[p_rows].astype(np.int64) * world + np.where(sends, me, peer)) * world + np.where(sends, peer, me)
+    del me, peer
+    # The distinct channels are few (a handful per rank): sort-unique them, then find each row's by binary
+    # search, instead of unique(return_inverse=True), whose argsort of every row is the slow part.
+    chans = np.unique(chan_key)
+    return p_rows, chans, np.searchsorted(chans, chan_key).astype(np.int32)
 
 
 def index_records(trace: TraceSet) -> RecordIndex:
@@ -216,17 +245,8 @@ def index_records(trace: TraceSet) -> RecordIndex:
     inst, inst_gidx, inst_seq = _dense_ids(gidx, rec.group_seq, len(gids), op=rec.op)  # (collectives: no p2p)
 
     world = max(trace.world_size, 1)
-    p_rows = np.flatnonzero(((rec.op == SEND) | (rec.op == RECV)) & (gidx >= 0) & (rec.peer >= 0)
-                            & (rec.peer < world))
+    p_rows, chans, chan_of = _p2p_channels(rec, gidx, world)
     sends = rec.op[p_rows] == SEND
-    me, peer = rec.rank[p_rows].astype(np.int64), rec.peer[p_rows].astype(np.int64)
-    chan_key = (gidx[p_rows].astype(np.int64) * world + np.where(sends, me, peer)) * world + np.where(sends, peer, me)
-    del me, peer
-    # The distinct channels are few (a handful per rank): sort-unique them, then find each row's by binary
-    # search, instead of unique(return_inverse=True), whose argsort of every row is the slow part.
-    chans = np.unique(chan_key)
-    chan_of = np.searchsorted(chans, chan_key).astype(np.int32)
-    del chan_key
     p_ids, pair_chan, pair_seq = _dense_ids(chan_of, rec.group_seq[p_rows], len(chans))
     pair = np.full(n, -1, p_ids.dtype)
     pair[p_rows] = p_ids

@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -208,6 +209,209 @@ fail:
     return NULL;
 }
 
+/*
+ * group_index(group_id, op, gids, marker, out): out[i] = the position of group_id[i] in gids (sorted, uint32) for
+ * rows whose op is below marker and whose group is in gids; out[i] left as it is for the others (the caller fills
+ * out with -1). out int32.
+ */
+static PyObject *group_index(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Column c[4];
+    memset(c, 0, sizeof c);
+    static const char *names[4] = {"group_id", "op", "gids", "out"};
+    long marker;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "group_index(group_id, op, gids, marker, out)");
+        return NULL;
+    }
+    marker = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    for (int k = 0; k < 4; k++)
+        if (get_column(args[k < 3 ? k : 4], &c[k], k == 3, names[k]) < 0)
+            goto fail;
+    if (c[1].n != c[0].n || c[3].n != c[0].n || c[0].width != 4 || c[2].width != 4 || c[3].width != 4
+        || c[0].is_signed || c[2].is_signed || !c[3].is_signed) {
+        PyErr_SetString(PyExc_ValueError, "group_index: uint32 group ids and gids, int32 out, one length a row");
+        goto fail;
+    }
+    {
+        const uint32_t *gid = c[0].view.buf, *gids = c[2].view.buf;
+        int32_t *out = c[3].view.buf;
+        Py_ssize_t n = c[0].n, m = c[2].n;
+        Py_BEGIN_ALLOW_THREADS
+        uint32_t last_gid = 0;
+        Py_ssize_t last_pos = -1; /* consecutive rows mostly share their group: the last answer first */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t g = gid[i];
+            Py_ssize_t pos;
+            if (load_int(&c[1], i) >= marker)
+                continue;
+            if (last_pos >= 0 && g == last_gid) {
+                pos = last_pos;
+            } else {
+                Py_ssize_t lo = 0, hi = m; /* the first gids[pos] >= g */
+                while (lo < hi) {
+                    Py_ssize_t mid = lo + (hi - lo) / 2;
+                    if (gids[mid] < g)
+                        lo = mid + 1;
+                    else
+                        hi = mid;
+                }
+                if (lo >= m || gids[lo] != g)
+                    continue;
+                pos = lo;
+                last_gid = g;
+                last_pos = pos;
+            }
+            out[i] = (int32_t)pos;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    release(c, 4);
+    Py_RETURN_NONE;
+fail:
+    release(c, 4);
+    return NULL;
+}
+
+/*
+ * p2p_channels(op, gidx, rank, peer, world, send, recv, rows, chans) -> (count, keys): the point-to-point rows
+ * (op send or recv, gidx >= 0, 0 <= peer < world) in order into rows[:count], and for each its channel: the key
+ * (gidx * world + src) * world + dst (for a send src is the rank and dst its peer, for a recv the other way round)
+ * numbered by first appearance into chans[:count]; keys holds the distinct keys in that order (int64 bytes).
+ * rows and chans: int32 or int64, as long as the records.
+ */
+typedef struct {
+    int64_t *keys;
+    int32_t *ids;
+    size_t mask, used;
+} KeyTable;
+
+static int table_grow(KeyTable *t)
+{
+    size_t size = t->mask ? 2 * (t->mask + 1) : 1024;
+    int64_t *keys = malloc(size * sizeof *keys);
+    int32_t *ids = malloc(size * sizeof *ids);
+    if (keys == NULL || ids == NULL) {
+        free(keys);
+        free(ids);
+        return -1;
+    }
+    for (size_t j = 0; j < size; j++)
+        ids[j] = -1;
+    for (size_t j = 0; t->mask && j <= t->mask; j++) {
+        if (t->ids[j] < 0)
+            continue;
+        size_t h = ((uint64_t)t->keys[j] * 0x9E3779B97F4A7C15ull) >> 17 & (size - 1);
+        while (ids[h] >= 0)
+            h = (h + 1) & (size - 1);
+        keys[h] = t->keys[j];
+        ids[h] = t->ids[j];
+    }
+    free(t->keys);
+    free(t->ids);
+    t->keys = keys;
+    t->ids = ids;
+    t->mask = size - 1;
+    return 0;
+}
+
+static PyObject *p2p_channels(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Column c[6];
+    memset(c, 0, sizeof c);
+    static const char *names[6] = {"op", "gidx", "rank", "peer", "rows", "chans"};
+    static const int arg_of[6] = {0, 1, 2, 3, 7, 8};
+    long long world;
+    long send, recv;
+    KeyTable table = {NULL, NULL, 0, 0};
+    int64_t *order = NULL;
+    size_t order_cap = 0;
+    Py_ssize_t count = 0;
+    int failed = 0;
+    PyObject *result = NULL;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "p2p_channels(op, gidx, rank, peer, world, send, recv, rows, chans)");
+        return NULL;
+    }
+    world = PyLong_AsLongLong(args[4]);
+    send = PyLong_AsLong(args[5]);
+    recv = PyLong_AsLong(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (world < 1 || world > (1ll << 21)) {
+        PyErr_SetString(PyExc_ValueError, "p2p_channels: world between 1 and 2**21");
+        return NULL;
+    }
+    for (int k = 0; k < 6; k++)
+        if (get_column(args[arg_of[k]], &c[k], k >= 4, names[k]) < 0)
+            goto done;
+    for (int k = 1; k < 6; k++)
+        if (c[k].n != c[0].n || (k >= 4 && (c[k].width < 4 || !c[k].is_signed))) {
+            PyErr_SetString(PyExc_ValueError, "p2p_channels: one length a row; rows and chans int32 or int64");
+            goto done;
+        }
+    if (table_grow(&table) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0, n = c[0].n; i < n; i++) {
+        int64_t op = load_int(&c[0], i), g, me, peer, key;
+        if (op != send && op != recv)
+            continue;
+        g = load_int(&c[1], i);
+        peer = load_int(&c[3], i);
+        if (g < 0 || peer < 0 || peer >= world)
+            continue;
+        me = load_int(&c[2], i);
+        /* (in uint64: wraps as numpy's int64 arithmetic does, where C's signed overflow would be undefined) */
+        key = (int64_t)(((uint64_t)g * (uint64_t)world + (uint64_t)(op == send ? me : peer)) * (uint64_t)world
+                        + (uint64_t)(op == send ? peer : me));
+        size_t h = ((uint64_t)key * 0x9E3779B97F4A7C15ull) >> 17 & table.mask;
+        while (table.ids[h] >= 0 && table.keys[h] != key)
+            h = (h + 1) & table.mask;
+        if (table.ids[h] < 0) {
+            if (table.used >= order_cap) {
+                size_t cap = order_cap ? 2 * order_cap : 1024;
+                int64_t *grown = realloc(order, cap * sizeof *order);
+                if (grown == NULL || table.used >= (size_t)INT32_MAX) {
+                    failed = 1;
+                    break;
+                }
+                order = grown;
+                order_cap = cap;
+            }
+            order[table.used] = key;
+            table.keys[h] = key;
+            table.ids[h] = (int32_t)table.used++;
+            if (2 * table.used > table.mask && table_grow(&table) < 0) {
+                failed = 1;
+                break;
+            }
+            h = ((uint64_t)key * 0x9E3779B97F4A7C15ull) >> 17 & table.mask;
+            while (table.keys[h] != key || table.ids[h] < 0)
+                h = (h + 1) & table.mask;
+        }
+        store_int(&c[4], count, i);
+        store_int(&c[5], count, table.ids[h]);
+        count++;
+    }
+    Py_END_ALLOW_THREADS
+    if (failed)
+        PyErr_NoMemory();
+    else
+        result = Py_BuildValue("(ny#)", count, order ? (const char *)order : "",
+                               (Py_ssize_t)(table.used * sizeof *order));
+done:
+    free(table.keys);
+    free(table.ids);
+    free(order);
+    release(c, 6);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"key_ranges", (PyCFunction)(void (*)(void))key_ranges, METH_FASTCALL,
      "key_ranges(keys, seqs, op, send, recv, smin, smax) -> rows counted, or -1 (a negative seq, a key out of "
@@ -215,6 +419,11 @@ static PyMethodDef module_methods[] = {
     {"place", (PyCFunction)(void (*)(void))place, METH_FASTCALL,
      "place(keys, seqs, op, send, recv, offset, ids, used) -> 1 when every slot was used, 0 when not, -1 when "
      "refused."},
+    {"group_index", (PyCFunction)(void (*)(void))group_index, METH_FASTCALL,
+     "group_index(group_id, op, gids, marker, out): each row's position in the sorted gids (rows below marker)."},
+    {"p2p_channels", (PyCFunction)(void (*)(void))p2p_channels, METH_FASTCALL,
+     "p2p_channels(op, gidx, rank, peer, world, send, recv, rows, chans) -> (count, distinct keys as int64 "
+     "bytes, by first appearance)."},
     {NULL, NULL, 0, NULL},
 };
 
