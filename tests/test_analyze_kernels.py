@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrace.analyze import index
+from megatrace.analyze import index, iterations
 from megatrace.trace.ring_format import Op
 
 kernels = pytest.importorskip("megatrace.analyze._kernels", reason="C kernels not built (no compiler at install)")
@@ -23,6 +23,7 @@ def both(fn, *args, **kwargs):
     with pytest.MonkeyPatch.context() as m:
         for name in ("key_ranges", "place", "group_index", "p2p_channels"):
             m.setattr(index, name, None)
+        m.setattr(iterations, "step_cells", None)
         without = fn(*args, **kwargs)
     return with_c, without
 
@@ -123,3 +124,38 @@ def test_kernels_refuse_what_they_cannot_take() -> None:
     used = np.zeros(4, np.uint8)
     assert kernels.place(keys, seqs, None, 8, 9, np.array([0, 0], np.int64), ids, used) == 0  # slot 0 unused
     assert ids.tolist() == [1, 2, 3] and used.tolist() == [0, 1, 1, 1]
+
+
+def _rank_trace(rng: np.random.Generator, counts: list[int]):
+    """A trace-like object for the per-step sums: ranks' row bounds and their records' group_seq."""
+    from types import SimpleNamespace
+
+    n = sum(counts)
+    starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    records = SimpleNamespace(group_seq=rng.integers(0, 40, n).astype(np.int32))
+    return SimpleNamespace(ranks=np.arange(len(counts)), starts=starts, records=records)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), counts=st.lists(st.integers(0, 60), min_size=1, max_size=12),
+       n_steps=st.integers(1, 6), dp_per_step=st.sampled_from([None, 1, 3]), wide=st.booleans())
+def test_step_cells_in_c_are_numpys(seed: int, counts: list[int], n_steps: int, dp_per_step: int | None,
+                                    wide: bool) -> None:
+    """Compute gaps and per-step sums: markers, calls without completion, steps out of row order (numpy's unsorted
+    path), and (``wide``) a rank whose times span more than 2**63 ns, which C refuses and numpy answers."""
+    from megatrace.analyze.segments import DP, MARKER
+
+    rng = np.random.default_rng(seed)
+    trace = _rank_trace(rng, counts)
+    n = int(trace.starts[-1])
+    role = rng.choice(np.array([0, MARKER, 2, DP], np.int8), n)
+    te = np.cumsum(rng.integers(0, 5_000, n)).astype(np.int64) + 10**12
+    tc = np.where(rng.random(n) < 0.2, 0, te + rng.integers(0, 20_000, n))
+    if wide and n:
+        te[rng.integers(0, n)] = -2**62
+        tc[rng.integers(0, n)] = 2**62
+    k0 = 3
+    step = rng.integers(k0 - 1, k0 + n_steps, n).astype(np.int32)
+    step[step < k0] = -1
+    a, b = both(iterations._step_cells, trace, role, te, tc, step, k0, n_steps, dp_per_step)
+    assert_same(a, b)

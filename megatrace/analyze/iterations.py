@@ -31,6 +31,11 @@ from megatrace.load.traceset import TraceSet, rank_spans
 from megatrace.schedule import SCHEDULES
 from megatrace.trace.ring_format import Op
 
+try:
+    from megatrace.analyze._kernels import step_cells  # type: ignore[import-not-found]
+except ImportError:  # not built (no C compiler at install): numpy makes the same passes
+    step_cells = None
+
 DP_PATTERN_MAX = 256  # longest DP pattern per step looked for (a flat buffer: 1 all_reduce, or reduce_scatter +
 #                      all_gather; DDP: one all_reduce per gradient bucket and backward; FSDP: two per layer)
 MIN_REPEATS = 3  # a pattern must repeat this many times in the records looked at to be a step
@@ -349,33 +354,8 @@ def _per_step(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarray,
     for sl in chunks(len(record_step)):
         k0 = min(k0, int(np.min(record_step[sl], initial=k1, where=record_step[sl] >= 0)))
     n = k1 - k0 + 1
-    gap = compute_gaps(trace, role, te, tc)
-    count = np.zeros(n_ranks * n, np.int64)
-    end = np.zeros(n_ranks * n, np.int64)
-    first = np.full(n_ranks * n, np.iinfo(np.int64).max, np.int64)
-    compute = np.zeros(n_ranks * n, np.float64)
-    arrival = np.full(n_ranks * n, np.iinfo(np.int64).max, np.int64)
-    dp_end = np.zeros(n_ranks * n, bool)
-    gseq = trace.records.group_seq
-    for i0, i1 in rank_chunks(trace):
-        lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
-        rows = lo + np.flatnonzero(record_step[lo:hi] >= 0)
-        cell = _positions(trace, i0, i1)[rows - lo] * n + record_step[rows].astype(np.int64) - k0
-        heads = _cell_heads(cell)
-        if heads is not None:  # (the gaps are whole ns: their float sums do not depend on the order)
-            cells = cell[heads]
-            count[cells] += np.diff(np.r_[heads, len(cell)])
-            compute[cells] += np.add.reduceat(gap[rows].astype(np.float64), heads)
-        else:
-            count += np.bincount(cell, minlength=n_ranks * n)
-            compute += np.bincount(cell, weights=gap[rows], minlength=n_ranks * n)
-        t_enq = te[rows]
-        _cell_reduce(np.maximum, end, cell, np.maximum(tc[rows], t_enq), heads)
-        _cell_reduce(np.minimum, first, cell, t_enq, heads)
-        dp = role[rows] == DP
-        _cell_reduce(np.minimum, arrival, cell[dp], t_enq[dp])
-        if dp_per_step:
-            dp_end[cell[dp & (gseq[rows] % dp_per_step == 0) & (tc[rows] > 0)]] = True  # it completed
+    gap, count, end, first, compute, arrival, dp_end = _step_cells(trace, role, te, tc, record_step, k0, n,
+                                                                   dp_per_step)
     arrival[arrival == np.iinfo(np.int64).max] = 0
     end, first, compute = end.reshape(n_ranks, n), first.reshape(n_ranks, n), compute.reshape(n_ranks, n)
     arrival, count = arrival.reshape(n_ranks, n), count.reshape(n_ranks, n)
@@ -403,6 +383,51 @@ def _per_step(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarray,
         part[(part >= 0) & ~np.isin(part, steps)] = -1
     return Iterations(method, steps, start[:, idx], end[:, idx], compute[:, idx].astype(np.int64), record_step,
                       role, mb, dp_per_step, segments, notes=notes, dp_arrival=arrival[:, idx], gap=gap)
+
+
+def _step_cells(trace: TraceSet, role: np.ndarray, te: np.ndarray, tc: np.ndarray, record_step: np.ndarray, k0: int,
+                n: int, dp_per_step: int | None) -> tuple[np.ndarray, ...]:
+    """Each record's compute gap (:func:`compute_gaps`) and, per rank and step (flat cells ``position * n + step -
+    k0``): records, the float64 sum of their gaps, the latest end, the first enqueue, the first DP enqueue (int64 max:
+    none) and whether a completed DP sync ended it. In C when the extension is built (two passes a rank), else numpy.
+    """
+    n_cells = len(trace.ranks) * n
+    count = np.zeros(n_cells, np.int64)
+    end = np.zeros(n_cells, np.int64)
+    first = np.full(n_cells, np.iinfo(np.int64).max, np.int64)
+    compute = np.zeros(n_cells, np.float64)
+    arrival = np.full(n_cells, np.iinfo(np.int64).max, np.int64)
+    dp_end = np.zeros(n_cells, bool)
+    gseq = trace.records.group_seq
+    if step_cells is not None and n_cells:
+        gap = np.zeros(len(te), np.float32)
+        if step_cells(trace.starts, role, te, tc, record_step, gseq, k0, n, dp_per_step or 0, MARKER, DP, gap, count,
+                      end, first, compute, arrival, dp_end.view(np.uint8)) == 0:
+            return gap, count, end, first, compute, arrival, dp_end
+        # (refused: a rank's times span more than 2**63 ns) numpy from the start
+        count[:], end[:], first[:], compute[:], dp_end[:] = 0, 0, np.iinfo(np.int64).max, 0, False
+        arrival[:] = np.iinfo(np.int64).max
+    gap = compute_gaps(trace, role, te, tc)
+    for i0, i1 in rank_chunks(trace):
+        lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
+        rows = lo + np.flatnonzero(record_step[lo:hi] >= 0)
+        cell = _positions(trace, i0, i1)[rows - lo] * n + record_step[rows].astype(np.int64) - k0
+        heads = _cell_heads(cell)
+        if heads is not None:  # (the gaps are whole ns: their float sums do not depend on the order)
+            cells = cell[heads]
+            count[cells] += np.diff(np.r_[heads, len(cell)])
+            compute[cells] += np.add.reduceat(gap[rows].astype(np.float64), heads)
+        else:
+            count += np.bincount(cell, minlength=n_cells)
+            compute += np.bincount(cell, weights=gap[rows], minlength=n_cells)
+        t_enq = te[rows]
+        _cell_reduce(np.maximum, end, cell, np.maximum(tc[rows], t_enq), heads)
+        _cell_reduce(np.minimum, first, cell, t_enq, heads)
+        dp = role[rows] == DP
+        _cell_reduce(np.minimum, arrival, cell[dp], t_enq[dp])
+        if dp_per_step:
+            dp_end[cell[dp & (gseq[rows] % dp_per_step == 0) & (tc[rows] > 0)]] = True  # it completed
+    return gap, count, end, first, compute, arrival, dp_end
 
 
 def _cell_heads(cell: np.ndarray) -> np.ndarray | None:

@@ -1,5 +1,6 @@
 /*
- * megatrace.analyze._kernels: C passes over every record that numpy would make in many (analyze/index.py).
+ * megatrace.analyze._kernels: C passes over every record that numpy would make in many (analyze/index.py,
+ * analyze/iterations.py).
  *
  * Each function has a numpy twin in the module that calls it, used when this extension is not built; both give
  * the same arrays (tests/test_analyze_kernels.py). Arrays come in as buffers the caller allocated; a function
@@ -412,6 +413,132 @@ done:
     return result;
 }
 
+/*
+ * step_cells(starts, role, te, tc, record_step, gseq, k0, n, dp_per_step, marker, dp,
+ *            gap, count, end, first, compute, arrival, dp_end) -> 0, or -1 (outputs partly written)
+ *
+ * iterations.compute_gaps and the per-rank, per-step sums of iterations._per_step in two passes a rank:
+ * gap[row] = the row's enqueue minus the latest end (completion, or enqueue when later) of its rank's earlier rows,
+ * at least 0, float32 (markers and a rank's first row 0); then for each row with record_step >= 0, its cell
+ * (rank position * n + step - k0) counts it, sums its gap (float64, in row order: numpy's sums equal these whenever
+ * every sum is exact, whole ns below 2**53), takes the max end and min enqueue, the min enqueue of its DP rows,
+ * and marks a completed DP row whose group_seq is a multiple of dp_per_step (0: none). Refused (-1) when a rank's
+ * times span more than 2**63 ns, where numpy's shifted times would wrap.
+ */
+static PyObject *step_cells(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    enum { STARTS, ROLE, TE, TC, STEP, GSEQ, GAP, COUNT, END, FIRST, COMPUTE, ARRIVAL, DP_END, N_COLS };
+    static const char *names[N_COLS] = {"starts", "role", "te", "tc", "record_step", "gseq", "gap", "count", "end",
+                                        "first", "compute", "arrival", "dp_end"};
+    static const int arg_of[N_COLS] = {0, 1, 2, 3, 4, 5, 11, 12, 13, 14, 15, 16, 17};
+    Column c[N_COLS];
+    memset(c, 0, sizeof c);
+    long long k0, n_steps, dp_per_step, marker, dp;
+    long result = 0;
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "step_cells(starts, role, te, tc, record_step, gseq, k0, n, dp_per_step, "
+                                         "marker, dp, gap, count, end, first, compute, arrival, dp_end)");
+        return NULL;
+    }
+    k0 = PyLong_AsLongLong(args[6]);
+    n_steps = PyLong_AsLongLong(args[7]);
+    dp_per_step = PyLong_AsLongLong(args[8]);
+    marker = PyLong_AsLongLong(args[9]);
+    dp = PyLong_AsLongLong(args[10]);
+    if (PyErr_Occurred())
+        return NULL;
+    for (int k = 0; k < N_COLS; k++) {
+        int writable = k >= GAP;
+        if (k == GAP || k == COMPUTE) { /* floating point: taken as raw buffers of 4 and 8 bytes */
+            if (PyObject_GetBuffer(args[arg_of[k]], &c[k].view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+                goto fail;
+            c[k].width = k == GAP ? 4 : 8;
+            c[k].n = c[k].view.len / c[k].width;
+            continue;
+        }
+        if (get_column(args[arg_of[k]], &c[k], writable, names[k]) < 0)
+            goto fail;
+    }
+    {
+        Py_ssize_t rows = c[ROLE].n, n_ranks = c[STARTS].n - 1, cells = n_ranks * n_steps;
+        if (n_ranks < 0 || n_steps < 1 || c[STARTS].width != 8 || c[ROLE].width != 1 || c[TE].width != 8
+            || c[TC].width != 8 || c[STEP].width != 4 || c[TE].n != rows || c[TC].n != rows || c[STEP].n != rows
+            || c[GSEQ].n != rows || c[GAP].n != rows || c[COUNT].width != 8 || c[END].width != 8
+            || c[FIRST].width != 8 || c[ARRIVAL].width != 8 || c[DP_END].width != 1 || c[COUNT].n != cells
+            || c[END].n != cells || c[FIRST].n != cells || c[COMPUTE].n != cells || c[ARRIVAL].n != cells
+            || c[DP_END].n != cells) {
+            PyErr_SetString(PyExc_ValueError, "step_cells: arrays of the wrong length or item size");
+            goto fail;
+        }
+        const int64_t *starts = c[STARTS].view.buf, *te = c[TE].view.buf, *tc = c[TC].view.buf;
+        const int8_t *role = c[ROLE].view.buf;
+        const int32_t *step = c[STEP].view.buf;
+        float *gap = c[GAP].view.buf;
+        double *compute = c[COMPUTE].view.buf;
+        int64_t *count = c[COUNT].view.buf, *end = c[END].view.buf, *first = c[FIRST].view.buf;
+        int64_t *arrival = c[ARRIVAL].view.buf;
+        unsigned char *dp_end = c[DP_END].view.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t p = 0; p < n_ranks && result == 0; p++) {
+            Py_ssize_t lo = starts[p], hi = starts[p + 1];
+            if (lo < 0 || hi < lo || hi > rows) {
+                result = -2;
+                break;
+            }
+            /* the rank's earliest enqueue: every later time within 2**63 of it, or numpy's shifted times wrap */
+            int64_t base = INT64_MAX, busy = 0;
+            int seen = 0;
+            for (Py_ssize_t i = lo; i < hi; i++)
+                if (role[i] != marker && te[i] < base)
+                    base = te[i];
+            for (Py_ssize_t i = lo; i < hi; i++) {
+                if (role[i] == marker)
+                    continue;
+                int64_t m = tc[i] > te[i] ? tc[i] : te[i];
+                if ((uint64_t)m - (uint64_t)base > (uint64_t)INT64_MAX) {
+                    result = -1;
+                    break;
+                }
+                if (seen) {
+                    int64_t after = te[i] - busy;
+                    gap[i] = after > 0 ? (float)after : 0.0f;
+                }
+                busy = seen && busy > m ? busy : m;
+                seen = 1;
+            }
+            for (Py_ssize_t i = lo; i < hi && result == 0; i++) {
+                if (step[i] < 0)
+                    continue;
+                int64_t cell = (int64_t)p * n_steps + step[i] - k0;
+                if (cell < (int64_t)p * n_steps || cell >= (int64_t)(p + 1) * n_steps) {
+                    result = -2;
+                    break;
+                }
+                int64_t m = tc[i] > te[i] ? tc[i] : te[i];
+                count[cell] += 1;
+                compute[cell] += (double)gap[i];
+                end[cell] = m > end[cell] ? m : end[cell];
+                first[cell] = te[i] < first[cell] ? te[i] : first[cell];
+                if (role[i] == dp) {
+                    arrival[cell] = te[i] < arrival[cell] ? te[i] : arrival[cell];
+                    if (dp_per_step > 0 && load_int(&c[GSEQ], i) % dp_per_step == 0 && tc[i] > 0)
+                        dp_end[cell] = 1;
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (result == -2) {
+            PyErr_SetString(PyExc_ValueError, "step_cells: row bounds or steps outside the arrays");
+            goto fail;
+        }
+    }
+    release(c, N_COLS);
+    return PyLong_FromLong(result);
+fail:
+    release(c, N_COLS);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"key_ranges", (PyCFunction)(void (*)(void))key_ranges, METH_FASTCALL,
      "key_ranges(keys, seqs, op, send, recv, smin, smax) -> rows counted, or -1 (a negative seq, a key out of "
@@ -424,6 +551,9 @@ static PyMethodDef module_methods[] = {
     {"p2p_channels", (PyCFunction)(void (*)(void))p2p_channels, METH_FASTCALL,
      "p2p_channels(op, gidx, rank, peer, world, send, recv, rows, chans) -> (count, distinct keys as int64 "
      "bytes, by first appearance)."},
+    {"step_cells", (PyCFunction)(void (*)(void))step_cells, METH_FASTCALL,
+     "step_cells(starts, role, te, tc, record_step, gseq, k0, n, dp_per_step, marker, dp, gap, count, end, first, "
+     "compute, arrival, dp_end) -> 0, or -1 where a rank's times span more than 2**63 ns."},
     {NULL, NULL, 0, NULL},
 };
 
