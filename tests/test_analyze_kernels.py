@@ -21,7 +21,7 @@ def both(fn, *args, **kwargs):
     """``fn(*args)`` with the C kernels, then with numpy only."""
     with_c = fn(*args, **kwargs)
     with pytest.MonkeyPatch.context() as m:
-        for name in ("key_ranges", "place", "group_index", "p2p_channels"):
+        for name in ("key_ranges", "place", "group_index", "p2p_channels", "place_by_key"):
             m.setattr(index, name, None)
         m.setattr(iterations, "step_cells", None)
         without = fn(*args, **kwargs)
@@ -159,3 +159,19 @@ def test_step_cells_in_c_are_numpys(seed: int, counts: list[int], n_steps: int, 
     step[step < k0] = -1
     a, b = both(iterations._step_cells, trace, role, te, tc, step, k0, n_steps, dp_per_step)
     assert_same(a, b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 5000), n_keys=st.integers(1, 300))
+def test_rows_by_key_in_c_is_numpys(seed: int, n: int, n_keys: int) -> None:
+    """The counting sort of selected rows by key (several chunks of rows: ``CHUNK`` made small)."""
+    rng = np.random.default_rng(seed)
+    keep = rng.random(n) < 0.7
+    key = rng.integers(0, n_keys, n)
+    chunks = index.chunks
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(index, "chunks", lambda n, size=0: chunks(n, 700))
+        a, b = both(index.rows_by_key, n, lambda sl: keep[sl], lambda rows: key[rows], n_keys)
+    assert_same(a, b)
+    rows, starts, sizes = a
+    assert np.array_equal(np.sort(rows), np.flatnonzero(keep)) and sizes.sum() == keep.sum()

@@ -25,9 +25,9 @@ from megatrace.trace.ring_format import Op
 
 try:
     from megatrace.analyze._kernels import (group_index, key_ranges, p2p_channels,  # type: ignore[import-not-found]
-                                            place)
+                                            place, place_by_key)
 except ImportError:  # not built (no C compiler at install): numpy makes the same passes
-    group_index = key_ranges = p2p_channels = place = None
+    group_index = key_ranges = p2p_channels = place = place_by_key = None
 MAX_KERNEL_WORLD = 1 << 21  # the C channel keys take worlds up to this size (MAX_WORLD_SIZE is below it)
 
 SEND, RECV = int(Op.SEND), int(Op.RECV)
@@ -76,6 +76,8 @@ def rows_by_key(n: int, mask_of: Callable[[slice], np.ndarray], key_of: Callable
     cursor = offsets.copy()
     for rows in parts:
         keys = key_of(rows)
+        if place_by_key is not None and place_by_key(keys, rows, cursor, out) == 0:  # (in C: no sort)
+            continue
         order = np.argsort(keys, kind="stable")
         keys, rows = keys[order], rows[order]
         heads = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)

@@ -539,6 +539,53 @@ fail:
     return NULL;
 }
 
+/*
+ * place_by_key(keys, rows, cursor, out) -> 0, or -1: the counting sort's placing pass (index.rows_by_key): for each
+ * i in order, out[cursor[keys[i]]++] = rows[i]. Refused (-1) for a key outside cursor (before any write) or a place
+ * outside out (counts that were not the keys': out partly written).
+ */
+static PyObject *place_by_key(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *names[4] = {"keys", "rows", "cursor", "out"};
+    Column c[4];
+    memset(c, 0, sizeof c);
+    long result = 0;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "place_by_key(keys, rows, cursor, out)");
+        return NULL;
+    }
+    for (int k = 0; k < 4; k++)
+        if (get_column(args[k], &c[k], k >= 2, names[k]) < 0)
+            goto fail;
+    if (c[1].n != c[0].n || c[2].width != 8 || !c[2].is_signed || c[3].width < 4 || !c[3].is_signed) {
+        PyErr_SetString(PyExc_ValueError, "place_by_key: keys and rows of one length, int64 cursor, int32/int64 out");
+        goto fail;
+    }
+    {
+        int64_t *cursor = c[2].view.buf;
+        Py_ssize_t n = c[0].n, n_keys = c[2].n, n_out = c[3].n;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n && result == 0; i++) { /* every key first: refused before any write */
+            int64_t key = load_int(&c[0], i);
+            result = key < 0 || key >= n_keys ? -1 : 0;
+        }
+        for (Py_ssize_t i = 0; i < n && result == 0; i++) {
+            int64_t key = load_int(&c[0], i);
+            if (cursor[key] < 0 || cursor[key] >= n_out) { /* (counts that do not fit the keys: out partly written) */
+                result = -1;
+                break;
+            }
+            store_int(&c[3], cursor[key]++, load_int(&c[1], i));
+        }
+        Py_END_ALLOW_THREADS
+    }
+    release(c, 4);
+    return PyLong_FromLong(result);
+fail:
+    release(c, 4);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"key_ranges", (PyCFunction)(void (*)(void))key_ranges, METH_FASTCALL,
      "key_ranges(keys, seqs, op, send, recv, smin, smax) -> rows counted, or -1 (a negative seq, a key out of "
@@ -554,6 +601,8 @@ static PyMethodDef module_methods[] = {
     {"step_cells", (PyCFunction)(void (*)(void))step_cells, METH_FASTCALL,
      "step_cells(starts, role, te, tc, record_step, gseq, k0, n, dp_per_step, marker, dp, gap, count, end, first, "
      "compute, arrival, dp_end) -> 0, or -1 where a rank's times span more than 2**63 ns."},
+    {"place_by_key", (PyCFunction)(void (*)(void))place_by_key, METH_FASTCALL,
+     "place_by_key(keys, rows, cursor, out) -> 0, or -1 (a key or a place out of range)."},
     {NULL, NULL, 0, NULL},
 };
 
