@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrace.analyze import index, iterations
+from megatrace.analyze import index, iterations, match
 from megatrace.trace.ring_format import Op
 
 kernels = pytest.importorskip("megatrace.analyze._kernels", reason="C kernels not built (no compiler at install)")
@@ -24,6 +24,7 @@ def both(fn, *args, **kwargs):
         for name in ("key_ranges", "place", "group_index", "p2p_channels", "place_by_key"):
             m.setattr(index, name, None)
         m.setattr(iterations, "step_cells", None)
+        m.setattr(match, "instance_facts", None)
         without = fn(*args, **kwargs)
     return with_c, without
 
@@ -175,3 +176,27 @@ def test_rows_by_key_in_c_is_numpys(seed: int, n: int, n_keys: int) -> None:
     assert_same(a, b)
     rows, starts, sizes = a
     assert np.array_equal(np.sort(rows), np.flatnonzero(keep)) and sizes.sum() == keep.sum()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 3000), n_inst=st.integers(1, 200))
+def test_instance_facts_in_c_are_numpys(seed: int, n: int, n_inst: int) -> None:
+    """Per-instance counts, times and the values members must agree on (all_to_all sizes and roots of rooted ops
+    read as numpy's checks read them), ties for the last enqueue (the last row's rank)."""
+    from types import SimpleNamespace
+
+    from megatrace.trace.ring_format import State
+
+    rng = np.random.default_rng(seed)
+    rec = _records(rng, n, 64, 4)
+    rec.op[:] = rng.choice(np.array([int(Op.ALL_REDUCE), int(Op.ALL_TO_ALL), int(Op.BROADCAST), int(Op.REDUCE)],
+                                    np.uint16), n)
+    rec.state[:] = rng.choice(np.array([int(s) for s in State], np.uint8), n)
+    rec.nbytes[:] = rng.integers(0, 3, n) * 1024
+    rec.dtype[:] = rng.integers(0, 2, n)
+    ix = SimpleNamespace(inst=rng.integers(-1, n_inst, n).astype(np.int32), n_instances=n_inst)
+    te = rng.integers(0, 50, n).astype(np.int64)  # (ties)
+    tc = te + rng.integers(0, 9, n)
+    a, b = both(match._instance_facts, rec, ix, te, tc)
+    assert a.keys() == b.keys()
+    assert_same(tuple(a.values()), tuple(b.values()))

@@ -20,8 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatrace.analyze.index import RecordIndex, chunks, index_records, op_name
-from megatrace.load.traceset import GroupInfo, TraceSet
+from megatrace.load.traceset import GroupInfo, Records, TraceSet
 from megatrace.trace.ring_format import Dtype, Op, State
+
+try:
+    from megatrace.analyze._kernels import instance_facts  # type: ignore[import-not-found]
+except ImportError:  # not built (no C compiler at install): numpy makes the same passes
+    instance_facts = None
 
 __all__ = ["Collectives", "InstanceDetail", "MatchResult", "Mismatch", "RecordIndex", "index_records",
            "instance_details", "match", "op_name"]
@@ -147,18 +152,31 @@ _CHECKS: dict[str, Callable] = {  # per-record value that all members of an inst
 I64_MIN, I64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 
 
-def match(trace: TraceSet, ix: RecordIndex, t_enqueue: np.ndarray, t_complete: np.ndarray) -> MatchResult:
-    """Per-instance facts on aligned times, and mismatches of collectives and p2p pairs (chunked passes)."""
-    rec = trace.records
+# Per-instance facts (match's first passes), the starting value of each: what the C kernel fills as one table.
+FACTS: dict[str, int] = {"entered": 0, "completed": 0, "failed": 0, "first": I64_MAX, "last": I64_MIN,
+                         "last_complete": 0, "op_lo": I64_MAX, "op_hi": I64_MIN, "dtype_lo": I64_MAX,
+                         "dtype_hi": I64_MIN, "nbytes_lo": I64_MAX, "nbytes_hi": I64_MIN, "root_lo": I64_MAX,
+                         "root_hi": I64_MIN, "last_rank": -1}
+
+
+def _instance_facts(rec: Records, ix: RecordIndex, t_enqueue: np.ndarray,
+                    t_complete: np.ndarray) -> dict[str, np.ndarray]:
+    """Per collective instance: members entered, completed and failed; first and last enqueue, last completion;
+    the min and max of each of :data:`_CHECKS`' values; the rank of the last row whose enqueue was the last. In two
+    passes of C when the extension is built, else chunk by chunk with numpy."""
     n = ix.n_instances
-    n_entered = np.zeros(n, np.int64)
-    n_completed = np.zeros(n, np.int64)
-    n_failed = np.zeros(n, np.int64)
-    first = np.full(n, I64_MAX, np.int64)
-    last = np.full(n, I64_MIN, np.int64)
-    last_complete = np.zeros(n, np.int64)
-    lo = {k: np.full(n, I64_MAX, np.int64) for k in _CHECKS}
-    hi = {k: np.full(n, I64_MIN, np.int64) for k in _CHECKS}
+    table = np.empty((len(FACTS), n), np.int64)
+    for k, start in enumerate(FACTS.values()):
+        table[k] = start
+    codes = (int(State.COMPLETED), int(State.FAILED), int(Op.ALL_TO_ALL), *ROOTED)
+    if instance_facts is not None and instance_facts(ix.inst, rec.state, t_enqueue, t_complete, rec.op, rec.dtype,
+                                                     rec.nbytes, rec.peer, rec.rank, codes, table.reshape(-1)) == 0:
+        return dict(zip(FACTS, table, strict=True))
+    facts = {name: np.full(n, start, np.int64) for name, start in FACTS.items()}
+    n_entered, n_completed, n_failed = facts["entered"], facts["completed"], facts["failed"]
+    first, last, last_complete, last_rank = facts["first"], facts["last"], facts["last_complete"], facts["last_rank"]
+    lo = {name: facts[f"{name}_lo"] for name in _CHECKS}
+    hi = {name: facts[f"{name}_hi"] for name in _CHECKS}
     for sl in chunks(len(rec)):
         rows = sl.start + np.flatnonzero(ix.inst[sl] >= 0)
         inst, state, te = ix.inst[rows], rec.state[rows], t_enqueue[rows]
@@ -173,11 +191,22 @@ def match(trace: TraceSet, ix: RecordIndex, t_enqueue: np.ndarray, t_complete: n
             col = value(rec, rows)
             np.minimum.at(lo[name], inst, col)
             np.maximum.at(hi[name], inst, col)
-    last_rank = np.full(n, -1, np.int64)
     for sl in chunks(len(rec)):
         rows = sl.start + np.flatnonzero(ix.inst[sl] >= 0)
         at_last = t_enqueue[rows] == last[ix.inst[rows]]
         last_rank[ix.inst[rows][at_last]] = rec.rank[rows][at_last]
+    return facts
+
+
+def match(trace: TraceSet, ix: RecordIndex, t_enqueue: np.ndarray, t_complete: np.ndarray) -> MatchResult:
+    """Per-instance facts on aligned times, and mismatches of collectives and p2p pairs (chunked passes)."""
+    rec = trace.records
+    n = ix.n_instances
+    facts = _instance_facts(rec, ix, t_enqueue, t_complete)
+    n_entered, n_completed, n_failed, first, last, last_complete, last_rank = (
+        facts[k] for k in ("entered", "completed", "failed", "first", "last", "last_complete", "last_rank"))
+    lo = {name: facts[f"{name}_lo"] for name in _CHECKS}
+    hi = {name: facts[f"{name}_hi"] for name in _CHECKS}
     mismatch = np.zeros(n, bool)
     for name in _CHECKS:
         mismatch |= (lo[name] != hi[name]) & (n_entered > 0)

@@ -1,6 +1,6 @@
 /*
  * megatrace.analyze._kernels: C passes over every record that numpy would make in many (analyze/index.py,
- * analyze/iterations.py).
+ * analyze/iterations.py, analyze/match.py).
  *
  * Each function has a numpy twin in the module that calls it, used when this extension is not built; both give
  * the same arrays (tests/test_analyze_kernels.py). Arrays come in as buffers the caller allocated; a function
@@ -586,6 +586,101 @@ fail:
     return NULL;
 }
 
+/*
+ * instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, out) -> 0, or -1 (an instance id not
+ * below out's width: nothing is trusted then)
+ *
+ * match.match's per-instance facts in two passes over the records, for rows with inst >= 0. codes: (COMPLETED,
+ * FAILED, ALL_TO_ALL, rooted op 1, rooted op 2). out: int64 [FACTS, n_instances], filled by the caller with each
+ * row's starting value; rows: entered, completed, failed (counts), first and last enqueue, last completion (of a
+ * completed row), the min and max of op, dtype, nbytes (0 for an all_to_all) and root (peer of a rooted op, else
+ * -1), and the rank of the last row (in row order) whose enqueue is its instance's last.
+ */
+enum { F_ENTERED, F_COMPLETED, F_FAILED, F_FIRST, F_LAST, F_LAST_COMPLETE, F_OP_LO, F_OP_HI, F_DTYPE_LO, F_DTYPE_HI,
+       F_NBYTES_LO, F_NBYTES_HI, F_ROOT_LO, F_ROOT_HI, F_LAST_RANK, FACTS };
+
+static PyObject *instance_facts(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    enum { INST, STATE, TE, TC, OP, DTYPE, NBYTES, PEER, RANK, OUT, N_COLS };
+    static const char *names[N_COLS] = {"inst", "state", "te", "tc", "op", "dtype", "nbytes", "peer", "rank", "out"};
+    static const int arg_of[N_COLS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 10};
+    Column c[N_COLS];
+    memset(c, 0, sizeof c);
+    long long code[5];
+    long result = 0;
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, "
+                                         "out)");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args[9], "LLLLL", &code[0], &code[1], &code[2], &code[3], &code[4]))
+        return NULL;
+    for (int k = 0; k < N_COLS; k++)
+        if (get_column(args[arg_of[k]], &c[k], k == OUT, names[k]) < 0)
+            goto fail;
+    {
+        Py_ssize_t n = c[INST].n, width = c[OUT].n / FACTS;
+        for (int k = STATE; k < OUT; k++)
+            if (c[k].n != n) {
+                PyErr_SetString(PyExc_ValueError, "instance_facts: the record columns must have one length");
+                goto fail;
+            }
+        if (c[OUT].width != 8 || !c[OUT].is_signed || c[OUT].n % FACTS || c[TE].width != 8 || c[TC].width != 8) {
+            PyErr_SetString(PyExc_ValueError, "instance_facts: int64 times, out int64 [FACTS, n_instances]");
+            goto fail;
+        }
+        int64_t *out = c[OUT].view.buf;
+        const int64_t *te = c[TE].view.buf, *tc = c[TC].view.buf;
+#define FACT(row, i) out[(Py_ssize_t)(row) * width + (i)]
+#define LOWER(row, i, v) FACT(row, i) = (v) < FACT(row, i) ? (v) : FACT(row, i)
+#define RAISE(row, i, v) FACT(row, i) = (v) > FACT(row, i) ? (v) : FACT(row, i)
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = 0; r < n; r++) {
+            int64_t i = load_int(&c[INST], r);
+            if (i < 0)
+                continue;
+            if (i >= width) {
+                result = -1;
+                break;
+            }
+            int64_t state = load_int(&c[STATE], r), op = load_int(&c[OP], r), t = te[r];
+            int64_t size = op == code[2] ? 0 : load_int(&c[NBYTES], r);
+            int64_t root = op == code[3] || op == code[4] ? load_int(&c[PEER], r) : -1;
+            int64_t dt = load_int(&c[DTYPE], r);
+            FACT(F_ENTERED, i) += 1;
+            if (state == code[0]) {
+                FACT(F_COMPLETED, i) += 1;
+                RAISE(F_LAST_COMPLETE, i, tc[r]);
+            }
+            FACT(F_FAILED, i) += state == code[1];
+            LOWER(F_FIRST, i, t);
+            RAISE(F_LAST, i, t);
+            LOWER(F_OP_LO, i, op);
+            RAISE(F_OP_HI, i, op);
+            LOWER(F_DTYPE_LO, i, dt);
+            RAISE(F_DTYPE_HI, i, dt);
+            LOWER(F_NBYTES_LO, i, size);
+            RAISE(F_NBYTES_HI, i, size);
+            LOWER(F_ROOT_LO, i, root);
+            RAISE(F_ROOT_HI, i, root);
+        }
+        for (Py_ssize_t r = 0; r < n && result == 0; r++) {
+            int64_t i = load_int(&c[INST], r);
+            if (i >= 0 && te[r] == FACT(F_LAST, i))
+                FACT(F_LAST_RANK, i) = load_int(&c[RANK], r);
+        }
+        Py_END_ALLOW_THREADS
+#undef FACT
+#undef LOWER
+#undef RAISE
+    }
+    release(c, N_COLS);
+    return PyLong_FromLong(result);
+fail:
+    release(c, N_COLS);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"key_ranges", (PyCFunction)(void (*)(void))key_ranges, METH_FASTCALL,
      "key_ranges(keys, seqs, op, send, recv, smin, smax) -> rows counted, or -1 (a negative seq, a key out of "
@@ -603,6 +698,9 @@ static PyMethodDef module_methods[] = {
      "compute, arrival, dp_end) -> 0, or -1 where a rank's times span more than 2**63 ns."},
     {"place_by_key", (PyCFunction)(void (*)(void))place_by_key, METH_FASTCALL,
      "place_by_key(keys, rows, cursor, out) -> 0, or -1 (a key or a place out of range)."},
+    {"instance_facts", (PyCFunction)(void (*)(void))instance_facts, METH_FASTCALL,
+     "instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, out) -> 0, or -1 (an instance id "
+     "out of range)."},
     {NULL, NULL, 0, NULL},
 };
 
