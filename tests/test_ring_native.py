@@ -191,7 +191,10 @@ def test_c_record_split_refuses_bad_columns() -> None:
         split_records(recs, cols, 1)
     with pytest.raises(ValueError, match="column 2: 4-byte items"):  # t_enqueue is never narrowed
         split_records(recs, cols | {"t_enqueue": np.zeros(4, np.int32)}, 0)
+    assert split_records(recs.view(np.uint8)[:100], cols, 0) is None  # not ring records: copied field by field
+    from megatrace.trace._ringfast import split_records as c_split
+
     with pytest.raises(ValueError, match="whole 64-byte records"):
-        split_records(recs.view(np.uint8)[:100], cols, 0)
+        c_split(recs.view(np.uint8)[:100], 0, *(cols[name] for name in SPLIT_COLUMNS))
     with pytest.raises(ValueError):
         split_records(recs, cols | {"op": np.zeros(4, np.uint16)[::-1]}, 0)  # not contiguous

@@ -122,7 +122,7 @@ def full_snapshot(path: str, header: RingHeader, problems: list[ReadProblem], co
     """The snapshot of a full copy, once its odd slots were read again."""
     cap, raced = header.capacity, copy.raced
     valid = _valid_records(copy, header)
-    max_seq = int(valid["seq"][-1]) if len(valid) else 0
+    max_seq = int(valid[-1]["seq"]) if len(valid) else 0
     max_seq = max(max_seq, min(header.write_counter, max_seq + 1))
     dropped = max(0, max_seq - cap)
     # Every slot empty or whole and none raced (the usual copy): no torn or unreadable slot to look for.
@@ -135,7 +135,9 @@ def full_snapshot(path: str, header: RingHeader, problems: list[ReadProblem], co
         dropped = max(dropped, held)
     # A copy of a live ring is not instantaneous: a slot copied before the writer lapped it
     # holds a record older than the window. It was overwritten: count it dropped, not kept.
-    valid = valid[int(np.searchsorted(valid["seq"], dropped, side="right")):]  # (sorted by seq: a view)
+    seqs = valid["seq"]
+    if len(seqs) and int(seqs[0]) <= dropped:  # (the usual copy has none: no search)
+        valid = valid[int(np.searchsorted(seqs, dropped, side="right")):]  # (sorted by seq: a view)
     lost = max(0, max_seq - dropped - len(valid))
     if odd:
         records = copy.raw.view(RECORD_DTYPE).reshape(-1)
