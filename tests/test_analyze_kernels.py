@@ -24,6 +24,7 @@ def both(fn, *args, **kwargs):
         for name in ("key_ranges", "place", "group_index", "p2p_channels", "place_by_key"):
             m.setattr(index, name, None)
         m.setattr(iterations, "step_cells", None)
+        m.setattr(iterations, "fill_runs", None)
         m.setattr(match, "instance_facts", None)
         without = fn(*args, **kwargs)
     return with_c, without
@@ -200,3 +201,30 @@ def test_instance_facts_in_c_are_numpys(seed: int, n: int, n_inst: int) -> None:
     a, b = both(match._instance_facts, rec, ix, te, tc)
     assert a.keys() == b.keys()
     assert_same(tuple(a.values()), tuple(b.values()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), counts=st.lists(st.integers(0, 80), min_size=1, max_size=10),
+       wrapped=st.booleans())
+def test_steps_from_ends_in_c_are_numpys(seed: int, counts: list[int], wrapped: bool) -> None:
+    """Each record's step from the next step-ending record of its rank (ranks without one, rows after the last end,
+    and a wrapped ring whose first step is partial)."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(seed)
+    trace = _rank_trace(rng, counts)
+    n = int(trace.starts[-1])
+    trace.rank_info = [SimpleNamespace(dropped=int(wrapped and k % 2)) for k in range(len(counts))]
+    trace.tail = None
+    ends = np.flatnonzero(rng.random(n) < 0.1)
+    end_step = np.zeros(len(ends), np.int32)
+    for i in range(len(counts)):  # each rank's ends numbered from a step of its own
+        mine = (ends >= trace.starts[i]) & (ends < trace.starts[i + 1])
+        end_step[mine] = rng.integers(0, 3) + np.arange(mine.sum())
+
+    def run(_):
+        out = np.full(n, -1, np.int32)
+        iterations._steps_from_ends(trace, ends, end_step, out)
+        return (out,)
+
+    assert_same(*both(run, None))

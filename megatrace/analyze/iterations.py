@@ -32,9 +32,9 @@ from megatrace.schedule import SCHEDULES
 from megatrace.trace.ring_format import Op
 
 try:
-    from megatrace.analyze._kernels import step_cells  # type: ignore[import-not-found]
+    from megatrace.analyze._kernels import fill_runs, step_cells  # type: ignore[import-not-found]
 except ImportError:  # not built (no C compiler at install): numpy makes the same passes
-    step_cells = None
+    fill_runs = step_cells = None
 
 DP_PATTERN_MAX = 256  # longest DP pattern per step looked for (a flat buffer: 1 all_reduce, or reduce_scatter +
 #                      all_gather; DDP: one all_reduce per gradient bucket and backward; FSDP: two per layer)
@@ -283,8 +283,9 @@ def _steps_from_ends(trace: TraceSet, ends: np.ndarray, end_step: np.ndarray, re
     mine = inside[end_pos[nxt[inside]] == pos[inside]]
     step[mine] = end_step[nxt[mine]]
     runs = np.r_[breaks, n]  # (breaks start at row 0: the first rank's)
-    for sl in chunks(n):  # each run's step over its rows
-        record_step[sl] = step[rank_positions(runs, sl)]
+    if fill_runs is None or runs[0] != 0 or fill_runs(runs.astype(np.int64), step.astype(np.int32), record_step) < 0:
+        for sl in chunks(n):  # each run's step over its rows
+            record_step[sl] = step[rank_positions(runs, sl)]
     # A wrapped ring (oldest records overwritten), or one loaded from its tail only, starts inside a step: that
     # first step is partial.
     tail_only = getattr(trace, "tail", None) is not None

@@ -681,6 +681,49 @@ fail:
     return NULL;
 }
 
+/*
+ * fill_runs(runs, values, out) -> 0, or -1 (nothing written): out[runs[j]:runs[j + 1]] = values[j] for each run j
+ * (iterations._steps_from_ends: a step over the rows of each run). runs ascending within 0..len(out).
+ */
+static PyObject *fill_runs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *names[3] = {"runs", "values", "out"};
+    Column c[3];
+    memset(c, 0, sizeof c);
+    long result = 0;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "fill_runs(runs, values, out)");
+        return NULL;
+    }
+    for (int k = 0; k < 3; k++)
+        if (get_column(args[k], &c[k], k == 2, names[k]) < 0)
+            goto fail;
+    if (c[0].width != 8 || c[1].width != 4 || c[2].width != 4 || c[1].n + 1 != c[0].n) {
+        PyErr_SetString(PyExc_ValueError, "fill_runs: int64 runs, one int32 value a run, int32 out");
+        goto fail;
+    }
+    {
+        const int64_t *runs = c[0].view.buf;
+        const int32_t *values = c[1].view.buf;
+        int32_t *out = c[2].view.buf;
+        Py_ssize_t n_runs = c[1].n, n = c[2].n;
+        for (Py_ssize_t j = 0; j < n_runs && result == 0; j++)
+            result = runs[j] < 0 || runs[j] > runs[j + 1] || runs[j + 1] > n ? -1 : 0;
+        if (result == 0) {
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t j = 0; j < n_runs; j++)
+                for (int64_t i = runs[j]; i < runs[j + 1]; i++)
+                    out[i] = values[j];
+            Py_END_ALLOW_THREADS
+        }
+    }
+    release(c, 3);
+    return PyLong_FromLong(result);
+fail:
+    release(c, 3);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"key_ranges", (PyCFunction)(void (*)(void))key_ranges, METH_FASTCALL,
      "key_ranges(keys, seqs, op, send, recv, smin, smax) -> rows counted, or -1 (a negative seq, a key out of "
@@ -701,6 +744,8 @@ static PyMethodDef module_methods[] = {
     {"instance_facts", (PyCFunction)(void (*)(void))instance_facts, METH_FASTCALL,
      "instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, out) -> 0, or -1 (an instance id "
      "out of range)."},
+    {"fill_runs", (PyCFunction)(void (*)(void))fill_runs, METH_FASTCALL,
+     "fill_runs(runs, values, out) -> 0, or -1 (runs not ascending within out: nothing written)."},
     {NULL, NULL, 0, NULL},
 };
 
