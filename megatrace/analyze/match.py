@@ -152,11 +152,13 @@ _CHECKS: dict[str, Callable] = {  # per-record value that all members of an inst
 I64_MIN, I64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 
 
-# Per-instance facts (match's first passes), the starting value of each: what the C kernel fills as one table.
-FACTS: dict[str, int] = {"entered": 0, "completed": 0, "failed": 0, "first": I64_MAX, "last": I64_MIN,
-                         "last_complete": 0, "op_lo": I64_MAX, "op_hi": I64_MIN, "dtype_lo": I64_MAX,
-                         "dtype_hi": I64_MIN, "nbytes_lo": I64_MAX, "nbytes_hi": I64_MIN, "root_lo": I64_MAX,
-                         "root_hi": I64_MIN, "last_rank": -1}
+# Per-instance facts (match's first passes) and the starting value of each, in the order of the C kernel's tables:
+# the facts match keeps first, then those that only tell whether the members agree (dropped after the check).
+KEPT_FACTS: dict[str, int] = {"entered": 0, "completed": 0, "failed": 0, "first": I64_MAX, "last": I64_MIN,
+                              "last_complete": 0, "last_rank": -1, "op_lo": I64_MAX, "nbytes_hi": I64_MIN}
+CHECK_FACTS: dict[str, int] = {"op_hi": I64_MIN, "dtype_lo": I64_MAX, "dtype_hi": I64_MIN, "nbytes_lo": I64_MAX,
+                               "root_lo": I64_MAX, "root_hi": I64_MIN}
+FACTS = KEPT_FACTS | CHECK_FACTS
 
 
 def _instance_facts(rec: Records, ix: RecordIndex, t_enqueue: np.ndarray,
@@ -165,13 +167,16 @@ def _instance_facts(rec: Records, ix: RecordIndex, t_enqueue: np.ndarray,
     the min and max of each of :data:`_CHECKS`' values; the rank of the last row whose enqueue was the last. In two
     passes of C when the extension is built, else chunk by chunk with numpy."""
     n = ix.n_instances
-    table = np.empty((len(FACTS), n), np.int64)
-    for k, start in enumerate(FACTS.values()):
-        table[k] = start
+    kept, checks = (np.empty((len(names), n), np.int64) for names in (KEPT_FACTS, CHECK_FACTS))
+    for table, names in ((kept, KEPT_FACTS), (checks, CHECK_FACTS)):
+        for k, start in enumerate(names.values()):
+            table[k] = start
     codes = (int(State.COMPLETED), int(State.FAILED), int(Op.ALL_TO_ALL), *ROOTED)
     if instance_facts is not None and instance_facts(ix.inst, rec.state, t_enqueue, t_complete, rec.op, rec.dtype,
-                                                     rec.nbytes, rec.peer, rec.rank, codes, table.reshape(-1)) == 0:
-        return dict(zip(FACTS, table, strict=True))
+                                                     rec.nbytes, rec.peer, rec.rank, codes, kept.reshape(-1),
+                                                     checks.reshape(-1)) == 0:
+        return dict(zip(FACTS, [*kept, *checks], strict=True))
+    del kept, checks
     facts = {name: np.full(n, start, np.int64) for name, start in FACTS.items()}
     n_entered, n_completed, n_failed = facts["entered"], facts["completed"], facts["failed"]
     first, last, last_complete, last_rank = facts["first"], facts["last"], facts["last_complete"], facts["last_rank"]

@@ -587,51 +587,56 @@ fail:
 }
 
 /*
- * instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, out) -> 0, or -1 (an instance id not
- * below out's width: nothing is trusted then)
+ * instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, kept, checks) -> 0, or -1 (an instance
+ * id not below the tables' width: nothing is trusted then)
  *
  * match.match's per-instance facts in two passes over the records, for rows with inst >= 0. codes: (COMPLETED,
- * FAILED, ALL_TO_ALL, rooted op 1, rooted op 2). out: int64 [FACTS, n_instances], filled by the caller with each
- * row's starting value; rows: entered, completed, failed (counts), first and last enqueue, last completion (of a
- * completed row), the min and max of op, dtype, nbytes (0 for an all_to_all) and root (peer of a rooted op, else
- * -1), and the rank of the last row (in row order) whose enqueue is its instance's last.
+ * FAILED, ALL_TO_ALL, rooted op 1, rooted op 2). kept: int64 [KEPT, n_instances], the facts match keeps: entered,
+ * completed, failed (counts), first and last enqueue, last completion (of a completed row), the rank of the last
+ * row (in row order) whose enqueue is its instance's last, the min op and the max nbytes (0 for an all_to_all);
+ * checks: int64 [FACTS - KEPT, n_instances], the rest of the min and max of op, dtype, nbytes and root (peer of a
+ * rooted op, else -1), which only tell whether members agree. Both filled by the caller with each row's start.
  */
-enum { F_ENTERED, F_COMPLETED, F_FAILED, F_FIRST, F_LAST, F_LAST_COMPLETE, F_OP_LO, F_OP_HI, F_DTYPE_LO, F_DTYPE_HI,
-       F_NBYTES_LO, F_NBYTES_HI, F_ROOT_LO, F_ROOT_HI, F_LAST_RANK, FACTS };
+enum { F_ENTERED, F_COMPLETED, F_FAILED, F_FIRST, F_LAST, F_LAST_COMPLETE, F_LAST_RANK, F_OP_LO, F_NBYTES_HI, KEPT,
+       F_OP_HI = KEPT, F_DTYPE_LO, F_DTYPE_HI, F_NBYTES_LO, F_ROOT_LO, F_ROOT_HI, FACTS };
 
 static PyObject *instance_facts(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    enum { INST, STATE, TE, TC, OP, DTYPE, NBYTES, PEER, RANK, OUT, N_COLS };
-    static const char *names[N_COLS] = {"inst", "state", "te", "tc", "op", "dtype", "nbytes", "peer", "rank", "out"};
-    static const int arg_of[N_COLS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 10};
+    enum { INST, STATE, TE, TC, OP, DTYPE, NBYTES, PEER, RANK, OUT, CHECKS, N_COLS };
+    static const char *names[N_COLS] = {"inst", "state", "te", "tc", "op", "dtype", "nbytes", "peer", "rank", "kept",
+                                        "checks"};
+    static const int arg_of[N_COLS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11};
     Column c[N_COLS];
     memset(c, 0, sizeof c);
     long long code[5];
     long result = 0;
-    if (nargs != 11) {
+    if (nargs != 12) {
         PyErr_SetString(PyExc_TypeError, "instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, "
-                                         "out)");
+                                         "kept, checks)");
         return NULL;
     }
     if (!PyArg_ParseTuple(args[9], "LLLLL", &code[0], &code[1], &code[2], &code[3], &code[4]))
         return NULL;
     for (int k = 0; k < N_COLS; k++)
-        if (get_column(args[arg_of[k]], &c[k], k == OUT, names[k]) < 0)
+        if (get_column(args[arg_of[k]], &c[k], k >= OUT, names[k]) < 0)
             goto fail;
     {
-        Py_ssize_t n = c[INST].n, width = c[OUT].n / FACTS;
+        Py_ssize_t n = c[INST].n, width = c[OUT].n / KEPT;
         for (int k = STATE; k < OUT; k++)
             if (c[k].n != n) {
                 PyErr_SetString(PyExc_ValueError, "instance_facts: the record columns must have one length");
                 goto fail;
             }
-        if (c[OUT].width != 8 || !c[OUT].is_signed || c[OUT].n % FACTS || c[TE].width != 8 || c[TC].width != 8) {
-            PyErr_SetString(PyExc_ValueError, "instance_facts: int64 times, out int64 [FACTS, n_instances]");
+        if (c[OUT].width != 8 || !c[OUT].is_signed || c[OUT].n != KEPT * width || c[CHECKS].width != 8
+            || !c[CHECKS].is_signed || c[CHECKS].n != (FACTS - KEPT) * width || c[TE].width != 8 || c[TC].width != 8) {
+            PyErr_SetString(PyExc_ValueError, "instance_facts: int64 times, int64 tables [KEPT and FACTS - KEPT, "
+                                              "n_instances]");
             goto fail;
         }
-        int64_t *out = c[OUT].view.buf;
+        int64_t *out = c[OUT].view.buf, *checks = c[CHECKS].view.buf;
         const int64_t *te = c[TE].view.buf, *tc = c[TC].view.buf;
-#define FACT(row, i) out[(Py_ssize_t)(row) * width + (i)]
+#define FACT(row, i) \
+    (*((row) < KEPT ? &out[(Py_ssize_t)(row) * width + (i)] : &checks[(Py_ssize_t)((row) - KEPT) * width + (i)]))
 #define LOWER(row, i, v) FACT(row, i) = (v) < FACT(row, i) ? (v) : FACT(row, i)
 #define RAISE(row, i, v) FACT(row, i) = (v) > FACT(row, i) ? (v) : FACT(row, i)
         Py_BEGIN_ALLOW_THREADS
@@ -742,8 +747,8 @@ static PyMethodDef module_methods[] = {
     {"place_by_key", (PyCFunction)(void (*)(void))place_by_key, METH_FASTCALL,
      "place_by_key(keys, rows, cursor, out) -> 0, or -1 (a key or a place out of range)."},
     {"instance_facts", (PyCFunction)(void (*)(void))instance_facts, METH_FASTCALL,
-     "instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, out) -> 0, or -1 (an instance id "
-     "out of range)."},
+     "instance_facts(inst, state, te, tc, op, dtype, nbytes, peer, rank, codes, kept, checks) -> 0, or -1 (an "
+     "instance id out of range)."},
     {"fill_runs", (PyCFunction)(void (*)(void))fill_runs, METH_FASTCALL,
      "fill_runs(runs, values, out) -> 0, or -1 (runs not ascending within out: nothing written)."},
     {NULL, NULL, 0, NULL},
