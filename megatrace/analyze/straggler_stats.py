@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from megatrace.analyze.index import chunks
 from megatrace.analyze.iterations import Iterations
 from megatrace.analyze.peers import peer_groups
 from megatrace.analyze.segments import MARKER
@@ -120,7 +120,7 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
     """
     if not steps:
         return
-    column = _steady_columns(it, steps)
+    index = it.step_index(steps)
     ranks = trace.ranks.tolist()
     for group in peer_groups(trace):
         members = [ranks[i] for i in group.tolist()]
@@ -129,9 +129,10 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
         rows, columns = [], []
         for i in group.tolist():
             lo, hi = int(trace.starts[i]), int(trace.starts[i + 1])
-            mine = np.flatnonzero(column[lo:hi] >= 0)
+            column = _steady_column(it, index, lo, hi)
+            mine = np.flatnonzero(column >= 0)
             rows.append(lo + mine)
-            columns.append(column[lo + mine])
+            columns.append(column[mine])
         counts = np.stack([np.bincount(c, minlength=len(steps)) for c in columns])
         same = (counts == counts[0]).all(axis=0)
         if not same.any():
@@ -142,15 +143,11 @@ def compare_intervals(trace: TraceSet, it: Iterations, gap: np.ndarray, steps: l
             _fill_intervals(stats[r], ratio, median)
 
 
-def _steady_columns(it: Iterations, steps: list[int]) -> np.ndarray:
-    """Per record: the index in ``steps`` (sorted) of its step when it is a call (not a marker) of one of them,
-    else -1 (int32; a table lookup, chunk by chunk)."""
-    index = it.step_index(steps)
-    column = np.empty(len(it.record_step), np.int32)
-    for sl in chunks(len(column)):
-        part = column[sl]
-        part[:] = index(it.record_step[sl])
-        part[it.roles[sl] == MARKER] = -1
+def _steady_column(it: Iterations, index: Callable[[np.ndarray], np.ndarray], lo: int, hi: int) -> np.ndarray:
+    """For records ``lo:hi`` (one rank's): the index in the steady steps (``index``: their
+    :meth:`~Iterations.step_index`) of each one's step when it is a call (not a marker) of one of them, else -1."""
+    column = index(it.record_step[lo:hi])  # (a new array)
+    column[it.roles[lo:hi] == MARKER] = -1
     return column
 
 
