@@ -25,6 +25,7 @@ def both(fn, *args, **kwargs):
             m.setattr(index, name, None)
         m.setattr(iterations, "step_cells", None)
         m.setattr(iterations, "fill_runs", None)
+        m.setattr(iterations, "role_kernel", None)
         m.setattr(match, "instance_facts", None)
         without = fn(*args, **kwargs)
     return with_c, without
@@ -228,3 +229,29 @@ def test_steps_from_ends_in_c_are_numpys(seed: int, counts: list[int], wrapped: 
         return (out,)
 
     assert_same(*both(run, None))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 2000), pp=st.sampled_from([None, 1, 2, 4]))
+def test_record_roles_in_c_are_numpys(seed: int, n: int, pp: int | None) -> None:
+    """Roles from groups described as TP, DP or PP or not at all, markers, p2p calls in collective groups and
+    collectives in pipeline groups, and p2p directions by stage (peers outside the world left PP_OTHER)."""
+    from types import SimpleNamespace
+
+    from megatrace.config import Layout
+    from megatrace.load.traceset import GroupInfo
+
+    rng = np.random.default_rng(seed)
+    world = 8
+    rec = _records(rng, n, world, 4)
+    rec.op[:] = rng.choice(np.array([1, 3, int(Op.SEND), int(Op.RECV), int(Op.MARK_STEP), int(Op.MARK_STEP) + 1],
+                                    np.uint16), n)
+    dims = ["tp", "dp", "pp", ""]
+    groups = {gid: GroupInfo(gid=gid, name=str(gid), desc=dims[k] or "default_pg", ranks=tuple(range(world)))
+              for k, gid in enumerate((5, 7, 9, 1000))}
+    layout = None if pp is None else Layout(world_size=world, tp=1, pp=pp, dp=world // pp)
+    trace = SimpleNamespace(records=rec, groups=groups)
+    ix = SimpleNamespace(group_ids=np.array(sorted(groups), np.uint32),
+                         gidx=rng.integers(-1, len(groups), n).astype(np.int32))
+    a, b = both(lambda: (iterations.record_roles(trace, ix, layout),))
+    assert_same(a, b)

@@ -33,8 +33,9 @@ from megatrace.trace.ring_format import Op
 
 try:
     from megatrace.analyze._kernels import fill_runs, step_cells  # type: ignore[import-not-found]
+    from megatrace.analyze._kernels import record_roles as role_kernel  # type: ignore[import-not-found]
 except ImportError:  # not built (no C compiler at install): numpy makes the same passes
-    fill_runs = step_cells = None
+    fill_runs = role_kernel = step_cells = None
 
 DP_PATTERN_MAX = 256  # longest DP pattern per step looked for (a flat buffer: 1 all_reduce, or reduce_scatter +
 #                      all_gather; DDP: one all_reduce per gradient bucket and backward; FSDP: two per layer)
@@ -140,6 +141,10 @@ def record_roles(trace: TraceSet, ix: RecordIndex, layout: Layout | None) -> np.
     role = np.empty(len(rec), np.int8)
     world = layout.world_size if layout is not None else 0
     stage = np.array([layout.coords(r).pp for r in range(world)], np.int64) if layout is not None else None
+    if role_kernel is not None and role_kernel(
+            ix.gidx, rec.op, rec.peer, rec.rank, groles, stage, (int(Op.MARK_STEP), int(Op.SEND), int(Op.RECV)),
+            (OTHER, MARKER, TP, DP, PP_OTHER, ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT), role) == 0:
+        return role
     for sl in chunks(len(rec)):  # (chunk by chunk: no temporary as long as the records)
         gidx, op = ix.gidx[sl], rec.op[sl]
         part = np.where(gidx >= 0, groles[np.maximum(gidx, 0)], OTHER).astype(np.int8)

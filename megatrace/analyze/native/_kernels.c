@@ -729,6 +729,98 @@ fail:
     return NULL;
 }
 
+/*
+ * record_roles(gidx, op, peer, rank, group_roles, stage, ops, roles, out) -> 0, or -1 (out partly written)
+ *
+ * iterations.record_roles in one pass: each record's role from its group's (group_roles[gidx]; OTHER without a
+ * group), MARKER for an op at or above the first marker op, OTHER for a p2p call in a TP or DP group and for a
+ * collective in a pipeline group; a p2p call in a pipeline group, when stage (each rank's pipeline stage, int64;
+ * None: no layout) knows both ends, becomes ACT_IN, ACT_OUT, GRAD_IN or GRAD_OUT by direction. ops: (first marker
+ * op, SEND, RECV); roles: (OTHER, MARKER, TP, DP, PP_OTHER, ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT). Refused for a
+ * group index beyond group_roles or a negative rank where the stage is looked up (numpy's answers then).
+ */
+static PyObject *record_roles(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    enum { GIDX, OP, PEER, RANK, GROLES, STAGE, OUT, N_COLS };
+    static const char *names[N_COLS] = {"gidx", "op", "peer", "rank", "group_roles", "stage", "out"};
+    static const int arg_of[N_COLS] = {0, 1, 2, 3, 4, 5, 8};
+    Column c[N_COLS];
+    memset(c, 0, sizeof c);
+    long long mark, send, recv;
+    int other, marker, tp, dp, pp_other, act_in, act_out, grad_in, grad_out;
+    int with_stage = args[5] != Py_None;
+    long result = 0;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "record_roles(gidx, op, peer, rank, group_roles, stage, ops, roles, out)");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args[6], "LLL", &mark, &send, &recv)
+        || !PyArg_ParseTuple(args[7], "iiiiiiiii", &other, &marker, &tp, &dp, &pp_other, &act_in, &act_out, &grad_in,
+                             &grad_out))
+        return NULL;
+    for (int k = 0; k < N_COLS; k++) {
+        if (k == STAGE && !with_stage)
+            continue;
+        if (get_column(args[arg_of[k]], &c[k], k == OUT, names[k]) < 0)
+            goto fail;
+    }
+    {
+        Py_ssize_t n = c[GIDX].n, n_groups = c[GROLES].n, world = with_stage ? c[STAGE].n : 0;
+        if (c[OP].n != n || c[PEER].n != n || c[RANK].n != n || c[OUT].n != n || c[OUT].width != 1
+            || (with_stage && c[STAGE].width != 8)) {
+            PyErr_SetString(PyExc_ValueError, "record_roles: the record columns and out of one length, int8 out, "
+                                              "int64 stages");
+            goto fail;
+        }
+        int8_t *out = c[OUT].view.buf;
+        const int64_t *stage = with_stage ? c[STAGE].view.buf : NULL;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t g = load_int(&c[GIDX], i), op = load_int(&c[OP], i);
+            int role;
+            if (g >= n_groups) {
+                result = -1;
+                break;
+            }
+            role = g >= 0 ? (int)load_int(&c[GROLES], g) : other;
+            int p2p = op == send || op == recv;
+            if (op >= mark)
+                role = marker;
+            else if ((role == tp || role == dp) && p2p)
+                role = other;
+            else if (role == pp_other && !p2p)
+                role = other;
+            else if (role == pp_other && with_stage) {
+                int64_t peer = load_int(&c[PEER], i), me = load_int(&c[RANK], i);
+                if (peer >= 0 && peer < world && me < world) {
+                    if (me < 0) {
+                        result = -1;
+                        break;
+                    }
+                    int64_t mine = stage[me], theirs = stage[peer];
+                    int sending = op == send;
+                    role = pp_other;
+                    if (!sending && theirs == mine - 1)
+                        role = act_in;
+                    if (sending && theirs == mine + 1)
+                        role = act_out;
+                    if (!sending && theirs == mine + 1)
+                        role = grad_in;
+                    if (sending && theirs == mine - 1)
+                        role = grad_out;
+                }
+            }
+            out[i] = (int8_t)role;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    release(c, N_COLS);
+    return PyLong_FromLong(result);
+fail:
+    release(c, N_COLS);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"key_ranges", (PyCFunction)(void (*)(void))key_ranges, METH_FASTCALL,
      "key_ranges(keys, seqs, op, send, recv, smin, smax) -> rows counted, or -1 (a negative seq, a key out of "
@@ -751,6 +843,8 @@ static PyMethodDef module_methods[] = {
      "instance id out of range)."},
     {"fill_runs", (PyCFunction)(void (*)(void))fill_runs, METH_FASTCALL,
      "fill_runs(runs, values, out) -> 0, or -1 (runs not ascending within out: nothing written)."},
+    {"record_roles", (PyCFunction)(void (*)(void))record_roles, METH_FASTCALL,
+     "record_roles(gidx, op, peer, rank, group_roles, stage, ops, roles, out) -> 0, or -1 (refused)."},
     {NULL, NULL, 0, NULL},
 };
 
