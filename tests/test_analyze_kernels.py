@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrace.analyze import index, iterations, match
+from megatrace.analyze.jobconfig import build
 from megatrace.trace.ring_format import Op
 
 kernels = pytest.importorskip("megatrace.analyze._kernels", reason="C kernels not built (no compiler at install)")
@@ -27,6 +28,7 @@ def both(fn, *args, **kwargs):
         m.setattr(iterations, "fill_runs", None)
         m.setattr(iterations, "role_kernel", None)
         m.setattr(match, "instance_facts", None)
+        m.setattr(build, "group_counts", None)
         without = fn(*args, **kwargs)
     return with_c, without
 
@@ -255,3 +257,19 @@ def test_record_roles_in_c_are_numpys(seed: int, n: int, pp: int | None) -> None
                          gidx=rng.integers(-1, len(groups), n).astype(np.int32))
     a, b = both(lambda: (iterations.record_roles(trace, ix, layout),))
     assert_same(a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 2000), n_groups=st.integers(0, 4))
+def test_group_uses_in_c_are_numpys(seed: int, n: int, n_groups: int) -> None:
+    """Records per known group, collectives and p2p apart (markers and groups nobody declared left out)."""
+    from types import SimpleNamespace
+
+    from megatrace.load.traceset import GroupInfo
+
+    rng = np.random.default_rng(seed)
+    rec = _records(rng, n, 8, 4)
+    groups = {gid: GroupInfo(gid=gid, name=str(gid), desc="tp", ranks=(0, 1))
+              for gid in sorted({7, 9, 1000, 2**32 - 1})[:n_groups]}
+    a, b = both(build.group_uses, SimpleNamespace(records=rec, groups=groups))
+    assert a == b and len(a) == n_groups

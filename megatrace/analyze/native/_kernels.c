@@ -1,6 +1,6 @@
 /*
  * megatrace.analyze._kernels: C passes over every record that numpy would make in many (analyze/index.py,
- * analyze/iterations.py, analyze/match.py).
+ * analyze/iterations.py, analyze/match.py, analyze/jobconfig/build.py).
  *
  * Each function has a numpy twin in the module that calls it, used when this extension is not built; both give
  * the same arrays (tests/test_analyze_kernels.py). Arrays come in as buffers the caller allocated; a function
@@ -215,6 +215,28 @@ fail:
  * rows whose op is below marker and whose group is in gids; out[i] left as it is for the others (the caller fills
  * out with -1). out int32.
  */
+/* The position of g in the sorted gids (m of them), or -1; *last_gid / *last_pos remember the previous answer
+ * (consecutive records mostly share their group). */
+static inline Py_ssize_t find_group(const uint32_t *gids, Py_ssize_t m, uint32_t g, uint32_t *last_gid,
+                                    Py_ssize_t *last_pos)
+{
+    Py_ssize_t lo = 0, hi = m;
+    if (*last_pos >= 0 && g == *last_gid)
+        return *last_pos;
+    while (lo < hi) { /* the first gids[pos] >= g */
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (gids[mid] < g)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo >= m || gids[lo] != g)
+        return -1;
+    *last_gid = g;
+    *last_pos = lo;
+    return lo;
+}
+
 static PyObject *group_index(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     Column c[4];
@@ -242,30 +264,13 @@ static PyObject *group_index(PyObject *Py_UNUSED(module), PyObject *const *args,
         Py_ssize_t n = c[0].n, m = c[2].n;
         Py_BEGIN_ALLOW_THREADS
         uint32_t last_gid = 0;
-        Py_ssize_t last_pos = -1; /* consecutive rows mostly share their group: the last answer first */
+        Py_ssize_t last_pos = -1;
         for (Py_ssize_t i = 0; i < n; i++) {
-            uint32_t g = gid[i];
-            Py_ssize_t pos;
             if (load_int(&c[1], i) >= marker)
                 continue;
-            if (last_pos >= 0 && g == last_gid) {
-                pos = last_pos;
-            } else {
-                Py_ssize_t lo = 0, hi = m; /* the first gids[pos] >= g */
-                while (lo < hi) {
-                    Py_ssize_t mid = lo + (hi - lo) / 2;
-                    if (gids[mid] < g)
-                        lo = mid + 1;
-                    else
-                        hi = mid;
-                }
-                if (lo >= m || gids[lo] != g)
-                    continue;
-                pos = lo;
-                last_gid = g;
-                last_pos = pos;
-            }
-            out[i] = (int32_t)pos;
+            Py_ssize_t pos = find_group(gids, m, gid[i], &last_gid, &last_pos);
+            if (pos >= 0)
+                out[i] = (int32_t)pos;
         }
         Py_END_ALLOW_THREADS
     }
@@ -273,6 +278,58 @@ static PyObject *group_index(PyObject *Py_UNUSED(module), PyObject *const *args,
     Py_RETURN_NONE;
 fail:
     release(c, 4);
+    return NULL;
+}
+
+/*
+ * group_counts(group_id, op, gids, marker, send, recv, collectives, p2p): per group of the sorted gids (uint32), how
+ * many records below marker it carried, collectives and point-to-point (send, recv) apart (int64 counts, added to).
+ */
+static PyObject *group_counts(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Column c[5];
+    memset(c, 0, sizeof c);
+    static const char *names[5] = {"group_id", "op", "gids", "collectives", "p2p"};
+    static const int arg_of[5] = {0, 1, 2, 6, 7};
+    long long marker, send, recv;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "group_counts(group_id, op, gids, marker, send, recv, collectives, p2p)");
+        return NULL;
+    }
+    marker = PyLong_AsLongLong(args[3]);
+    send = PyLong_AsLongLong(args[4]);
+    recv = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    for (int k = 0; k < 5; k++)
+        if (get_column(args[arg_of[k]], &c[k], k >= 3, names[k]) < 0)
+            goto fail;
+    if (c[1].n != c[0].n || c[0].width != 4 || c[0].is_signed || c[2].width != 4 || c[2].is_signed
+        || c[3].width != 8 || c[4].width != 8 || c[3].n != c[2].n || c[4].n != c[2].n) {
+        PyErr_SetString(PyExc_ValueError, "group_counts: uint32 group ids and gids, int64 counts a group");
+        goto fail;
+    }
+    {
+        const uint32_t *gid = c[0].view.buf, *gids = c[2].view.buf;
+        int64_t *coll = c[3].view.buf, *p2p = c[4].view.buf;
+        Py_ssize_t n = c[0].n, m = c[2].n;
+        Py_BEGIN_ALLOW_THREADS
+        uint32_t last_gid = 0;
+        Py_ssize_t last_pos = -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t op = load_int(&c[1], i);
+            if (op >= marker)
+                continue;
+            Py_ssize_t pos = find_group(gids, m, gid[i], &last_gid, &last_pos);
+            if (pos >= 0)
+                (op == send || op == recv ? p2p : coll)[pos] += 1;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    release(c, 5);
+    Py_RETURN_NONE;
+fail:
+    release(c, 5);
     return NULL;
 }
 
@@ -845,6 +902,8 @@ static PyMethodDef module_methods[] = {
      "fill_runs(runs, values, out) -> 0, or -1 (runs not ascending within out: nothing written)."},
     {"record_roles", (PyCFunction)(void (*)(void))record_roles, METH_FASTCALL,
      "record_roles(gidx, op, peer, rank, group_roles, stage, ops, roles, out) -> 0, or -1 (refused)."},
+    {"group_counts", (PyCFunction)(void (*)(void))group_counts, METH_FASTCALL,
+     "group_counts(group_id, op, gids, marker, send, recv, collectives, p2p): records per group, added to."},
     {NULL, NULL, 0, NULL},
 };
 
