@@ -19,6 +19,7 @@ import numpy as np
 
 from megatrace.files import open_input, read_fd, read_input
 from megatrace.load.discovery import RING_RE
+from megatrace.load.prefault import populate_in_background
 from megatrace.load.traceset import (COLUMNS, LoadProblem, RankInfo, Records, TraceSet, name_list, plural, rank_list,
                                      rank_spans)
 from megatrace.trace import ring_format as fmt
@@ -204,6 +205,7 @@ def load_all(chosen: dict[int, Path], headers: dict[Path, RingHeader], tally: Ta
     # Columns are filled in place, sized from the headers (at most capacity, at most write_counter + 1
     # records per ring): many small per-rank arrays would fragment the heap and double the peak memory.
     columns = RecordColumns(sum(min(headers[p].write_counter + 1, headers[p].capacity) for p in chosen.values()))
+    populate_in_background(columns.data.values())  # (their pages faulted in on another core while rings are read)
     read: list[tuple[RankInfo, str]] = []
     meta_paths: list[str] = []
     meta_data: list[bytes | None] = []
