@@ -20,3 +20,29 @@ def test_populating_changes_no_value_written_before_or_during_it() -> None:
 
 def test_nothing_to_do_for_small_arrays() -> None:
     assert populate_in_background([np.zeros(100), np.zeros(1000, np.int8)]) is None
+
+
+def test_a_kept_heap_is_warmed_ahead_and_an_ordinary_one_left_alone() -> None:
+    """``warm_heap`` faults in heap the process keeps (the commands' tuned heap); in a library caller's process it
+    does nothing (a freed block there goes back to the system)."""
+    import subprocess
+    import sys
+
+    child = r"""
+import sys, time
+from megatrace.analyze import heap
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+if sys.argv[1] == "kept":
+    heap.keep_freed_memory()
+before = rss()
+heap.warm_heap(300 << 20)
+for _ in range(300):
+    if rss() - before > 250:
+        break
+    time.sleep(0.01)
+print(rss() - before)
+"""
+    grown = {how: int(subprocess.run([sys.executable, "-c", child, how], capture_output=True, text=True,
+                                     check=True).stdout) for how in ("kept", "plain")}
+    assert grown["kept"] > 250 and grown["plain"] < 50, grown

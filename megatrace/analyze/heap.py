@@ -22,6 +22,10 @@ import ctypes
 import gc
 from collections.abc import Iterator
 
+import numpy as np
+
+from megatrace.load.prefault import populate_span_in_background
+
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
@@ -29,17 +33,38 @@ _INT_MAX = (1 << 31) - 1  # mallopt takes an int
 _TOP_PAD = 64 << 20  # grow the heap 64 MiB at a time
 
 
+_kept = False  # keep_freed_memory() took effect in this process
+
+
 def keep_freed_memory() -> bool:
     """Serve large allocations from the heap and keep what is freed there; False where that cannot be asked
     (not glibc), which changes nothing but speed."""
+    global _kept
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in
-               ((_M_MMAP_THRESHOLD, _INT_MAX), (_M_TRIM_THRESHOLD, _INT_MAX), (_M_TOP_PAD, _TOP_PAD)))
+    _kept = all(mallopt(param, value) == 1 for param, value in
+                ((_M_MMAP_THRESHOLD, _INT_MAX), (_M_TRIM_THRESHOLD, _INT_MAX), (_M_TOP_PAD, _TOP_PAD)))
+    return _kept
+
+
+_WARM_MAX = 1 << 30  # bytes: well below the trim threshold (a top chunk above 2 GiB would be given back)
+
+
+def warm_heap(nbytes: int) -> None:
+    """Where freed memory is kept: fault in ``nbytes`` more of heap (at most 1 GiB) on another core, for the stages
+    to come. A block is taken and at once given back (the heap keeps it, mapped), and a daemon thread populates its
+    pages while the next stages start carving their arrays out of it. Ask for no more than the analysis will grow
+    by: the pages count in its memory from then on. Elsewhere (a library caller's process) nothing happens."""
+    if not _kept or nbytes < 1 << 20:
+        return
+    block = np.empty(min(nbytes, _WARM_MAX), np.uint8)
+    address, size = block.ctypes.data, block.nbytes
+    del block
+    populate_span_in_background(address, size)
 
 
 @contextlib.contextmanager

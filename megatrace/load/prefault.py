@@ -35,19 +35,30 @@ def populate_in_background(arrays: Iterable[np.ndarray]) -> threading.Thread | N
     """Start a daemon thread that faults in the pages of ``arrays`` (each of at least 1 MiB), first to last; the
     thread holds them until it is done. None when there is nothing to do or no ``madvise``."""
     big = [a for a in arrays if a.nbytes >= _MIN_BYTES]
-    madvise = _madvise() if big else None
+    return _populate([(a.ctypes.data, a.nbytes) for a in big], keep=big) if big else None
+
+
+def populate_span_in_background(address: int, nbytes: int) -> threading.Thread | None:
+    """The same for ``nbytes`` of memory at ``address`` that stays mapped while the thread runs, in use or not: memory
+    the heap keeps once freed (:func:`megatrace.analyze.heap.keep_freed_memory`)."""
+    return _populate([(address, nbytes)]) if nbytes >= _MIN_BYTES else None
+
+
+def _populate(spans: list[tuple[int, int]], keep: object = None) -> threading.Thread | None:
+    madvise = _madvise()
     if madvise is None:
         return None
     page = mmap.PAGESIZE
 
     def run() -> None:
-        for a in big:
-            start = (a.ctypes.data + page - 1) // page * page
-            end = (a.ctypes.data + a.nbytes) // page * page
+        for address, nbytes in spans:
+            start = (address + page - 1) // page * page
+            end = (address + nbytes) // page * page
             for lo in range(start, end, _STEP):
                 if madvise(lo, min(_STEP, end - lo), MADV_POPULATE_WRITE) != 0:
-                    return  # (not offered here, or no memory: the loader faults the pages in itself)
+                    return  # (not offered here, or no memory: the pages are faulted in where they are written)
 
     thread = threading.Thread(target=run, name="megatrace-populate", daemon=True)
+    thread.keep = keep  # type: ignore[attr-defined]  # (the arrays stay alive while their pages are populated)
     thread.start()
     return thread
