@@ -8,8 +8,10 @@ rank and dst its peer, for a recv the other way round — and its pair id is
 (channel, seq) made dense the same way: send #k from A to B pairs with recv #k
 on B from A.
 
-Every pass runs over at most :data:`CHUNK` rows at a time, so temporaries stay
-bounded at 16,384 ranks; the ids are int32 (int64 beyond 2**31 records).
+The passes over every record run in C where the extension is built (``analyze/native/_kernels.c``: the
+group lookup, the p2p channels, the dense ids, the counting sort's placing), else with numpy, whose every pass
+runs over at most :data:`CHUNK` rows at a time, so temporaries stay bounded at 16,384 ranks; both give the same
+arrays (``tests/test_analyze_kernels.py``). The ids are int32 (int64 beyond 2**31 records).
 """
 
 from __future__ import annotations
