@@ -142,8 +142,8 @@ class RecordColumns:
         end = self.n + sum(counts)
         if end > len(self.data["rank"]):
             self.data = {name: _grown(col, self.n, max(end, 2 * len(col))) for name, col in self.data.items()}
-        if end > self.n and native_split() and parts[0].dtype == RECORD_DTYPE:  # one pass of C per part
-            at = self.n
+        if end > self.n and native_split() and parts[0].dtype == RECORD_DTYPE and end - self.n >= 1024 * len(parts):
+            at = self.n  # (whole rings: one pass of C per part; tails are joined first, one call per batch)
             for part in parts:
                 self._copy(part, at)
                 at += len(part)
