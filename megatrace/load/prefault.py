@@ -50,7 +50,7 @@ def _populate(spans: list[tuple[int, int]], keep: object = None) -> threading.Th
         return None
     page = mmap.PAGESIZE
 
-    def run() -> None:
+    def run(hold: object = keep) -> None:  # (``hold``: the arrays stay alive while their pages are populated)
         for address, nbytes in spans:
             start = (address + page - 1) // page * page
             end = (address + nbytes) // page * page
@@ -59,6 +59,5 @@ def _populate(spans: list[tuple[int, int]], keep: object = None) -> threading.Th
                     return  # (not offered here, or no memory: the pages are faulted in where they are written)
 
     thread = threading.Thread(target=run, name="megatrace-populate", daemon=True)
-    thread.keep = keep  # type: ignore[attr-defined]  # (the arrays stay alive while their pages are populated)
     thread.start()
     return thread
