@@ -3,7 +3,7 @@
 At the end of the trace (aligned clocks) each rank is *blocked* (its last
 operations were entered and never completed, or failed), *stopped* (its last
 operation completed: it computes, is wedged, or is dead), *finished* (its
-tracer closed cleanly), *empty* or *missing*. A wait-for graph (networkx)
+tracer closed cleanly), *empty* or *missing*. A wait-for graph (:mod:`megatrace.analyze.wait_graph`)
 links each blocked rank to what it waits for:
 
 * in a collective: an instance node, which points at the members that never
@@ -35,7 +35,6 @@ import functools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-import networkx as nx
 import numpy as np
 
 from megatrace.analyze.clock import ClockAlignment
@@ -44,6 +43,7 @@ from megatrace.analyze.hang_roots import (RUNNING_OUTCOMES, STALL_FACTOR, RankSt
                                           usual_gap)
 from megatrace.analyze.liveness import Liveness, assess
 from megatrace.analyze.match import InstanceDetail, MatchResult, instance_details
+from megatrace.analyze.wait_graph import WaitGraph
 from megatrace.analyze.words import record_label
 from megatrace.load.traceset import TraceSet
 from megatrace.trace.ring_format import Flag, Op, State
@@ -66,7 +66,7 @@ class HangAnalysis:
     last_activity: dict[int, int]  # aligned ns, ranks with records
     last_row: dict[int, int]  # last non-marker record per rank
     waits: dict[int, list[Wait]]
-    graph: nx.DiGraph
+    graph: WaitGraph
     roots: list[RootCause]
     details: dict[int, InstanceDetail]
     progressing: list[int] = field(default_factory=list)  # still active while others were stuck
@@ -231,7 +231,7 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
         status = {r: RankStatus.MISSING for r in trace.missing_ranks}
         status.update({i.rank: RankStatus.EMPTY for i in trace.rank_info})
         finished = all(i.closed_cleanly for i in trace.rank_info)
-        return HangAnalysis(0, finished, status, {}, {}, {}, nx.DiGraph(), [], {})
+        return HangAnalysis(0, finished, status, {}, {}, {}, WaitGraph(), [], {})
     t = _tails(trace)
     last_pos = np.where(t.valid, np.maximum(te[t.rows], tc[t.rows]), NONE).max(axis=1)
     last_by_rank = np.full(trace.world_size, NONE, np.int64)
@@ -251,7 +251,7 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
                              RankStatus.FINISHED if info.closed_cleanly else RankStatus.STOPPED)
     last_activity = {int(r): int(v) for r, v in zip(trace.ranks, last_pos, strict=True) if v != NONE}
     if finished:
-        return HangAnalysis(end, True, status, last_activity, last_row, {}, nx.DiGraph(), [], {},
+        return HangAnalysis(end, True, status, last_activity, last_row, {}, WaitGraph(), [], {},
                             leftover_pending=len(pending))
     live = assess(trace.rank_info, [int(o) for o in clock.rank_offset_ns], clock.host_offset_ns, last_activity,
                   trace.facts.probe)
@@ -283,12 +283,12 @@ def analyze_hangs(trace: TraceSet, clock: ClockAlignment, m: MatchResult) -> Han
 
 def _wait_for_graph(trace: TraceSet, m: MatchResult, te: np.ndarray, pending: np.ndarray, outstanding: np.ndarray,
                     culprits: set[int], status: dict[int, RankStatus],
-                    ) -> tuple[nx.DiGraph, dict[int, list[Wait]], dict[int, InstanceDetail]]:
+                    ) -> tuple[WaitGraph, dict[int, list[Wait]], dict[int, InstanceDetail]]:
     """The wait-for graph of the rows the ranks wait in (``pending``), the waits of each rank, and the details of
     the instances they wait in; marks each waiting rank blocked in ``status`` (a rank that stopped running, one of
     ``culprits``, waits for nothing: the others wait for it)."""
     rec, ix = trace.records, m.index
-    graph = nx.DiGraph()
+    graph = WaitGraph()
     pending_insts = np.unique(ix.inst[pending][ix.inst[pending] >= 0])
     details = instance_details(trace, ix, pending_insts)
     out_set = set(outstanding.tolist())

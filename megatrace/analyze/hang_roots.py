@@ -16,11 +16,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import networkx as nx
 import numpy as np
 
 from megatrace.analyze.liveness import Liveness
 from megatrace.analyze.match import InstanceDetail, MatchResult
+from megatrace.analyze.wait_graph import WaitGraph
 from megatrace.load.traceset import TraceSet
 from megatrace.trace.ring_format import State
 
@@ -143,18 +143,18 @@ def _whole_job_waits(trace: TraceSet, root: RootCause) -> bool:
     return all(i.rank in waiting for i in trace.rank_info if i.n_records and not i.ended_early)
 
 
-def find_roots(trace: TraceSet, m: MatchResult, graph: nx.DiGraph, waits: dict[int, list[Wait]],
+def find_roots(trace: TraceSet, m: MatchResult, graph: WaitGraph, waits: dict[int, list[Wait]],
            details: dict[int, InstanceDetail], status: dict[int, RankStatus], last_activity: dict[int, int],
            end: int, te: np.ndarray, tc: np.ndarray, live: Liveness) -> list[RootCause]:
     if not graph.number_of_nodes():
         return []
     roots: list[RootCause] = []
-    # The sink components (no wait leaves them), in the order networkx finds the components; no condensed
+    # The sink components (no wait leaves them), in the order Tarjan's search finds them (as networkx's); no condensed
     # graph is built (at 16,384 ranks that cost more than finding the components).
-    for nodes in nx.strongly_connected_components(graph):
+    for nodes in graph.strongly_connected_components():
         if any(s not in nodes for n in nodes for s in graph.successors(n)):
             continue
-        up = set().union(*(nx.ancestors(graph, n) for n in nodes)) - set(nodes)
+        up = set().union(*(graph.ancestors(n) for n in nodes)) - set(nodes)
         waiters = tuple(sorted(r for r in up if isinstance(r, int)))
         inside_blocked = [n for n in nodes if isinstance(n, int) and status.get(n) == RankStatus.BLOCKED]
         if not waiters and not inside_blocked:
@@ -174,7 +174,7 @@ def find_roots(trace: TraceSet, m: MatchResult, graph: nx.DiGraph, waits: dict[i
     return roots
 
 
-def _direct_waits(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> list[Wait]:
+def _direct_waits(graph: WaitGraph, nodes: set[Hashable] | frozenset) -> list[Wait]:
     """The waits that point at ``nodes`` directly, or through an instance node."""
     out: list[Wait] = []
     for n in nodes:
@@ -218,10 +218,9 @@ def _single_root(trace: TraceSet, m: MatchResult, node: Hashable, waiters: tuple
                      gap, False)
 
 
-def _chain(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> tuple[list[str], Wait | None]:
+def _chain(graph: WaitGraph, nodes: set[Hashable] | frozenset) -> tuple[list[str], Wait | None]:
     """The longest wait chain ending at the root, as words, one step per element (one breadth-first search back
     from the root: the path to the farthest waiting rank follows the search's own steps)."""
-    rev = graph.reverse(copy=False)
     best: tuple[int, int] | None = None
     best_path: list[Hashable] = []
     for start in sorted(nodes, key=str):
@@ -229,7 +228,7 @@ def _chain(graph: nx.DiGraph, nodes: set[Hashable] | frozenset) -> tuple[list[st
         dist = {start: 0}
         queue = [start]
         for n in queue:  # (grows while it is read: a breadth-first search)
-            for p in rev.successors(n):
+            for p in graph.predecessors(n):
                 if p not in dist:
                     dist[p], parent[p] = dist[n] + 1, n
                     queue.append(p)
@@ -300,7 +299,7 @@ def drop_ended_by_launcher(roots: list[RootCause], trace: TraceSet, status: dict
     return [root for root in roots if not (root.kind == "rank" and root.ranks and all(map(ended, root.ranks)))]
 
 
-def merge_co_missing(graph: nx.DiGraph, roots: list[RootCause], crashed: set[int]) -> list[RootCause]:
+def merge_co_missing(graph: WaitGraph, roots: list[RootCause], crashed: set[int]) -> list[RootCause]:
     """One root for the stopped ranks that one collective waits for together (its members that never entered
     it, when each is a root of the same standing: both confirmed or not, both crashed or not): torchfrtrace's
     "missing ranks" of that collective. Other stopped ranks stay roots of their own (a crashed process is named
