@@ -198,3 +198,44 @@ def test_c_record_split_refuses_bad_columns() -> None:
         c_split(recs.view(np.uint8)[:100], 0, *(cols[name] for name in SPLIT_COLUMNS))
     with pytest.raises(ValueError):
         split_records(recs, cols | {"op": np.zeros(4, np.uint16)[::-1]}, 0)  # not contiguous
+
+
+def test_c_whole_rows_give_numpys_mask(tmp_path: Path) -> None:
+    """The tail reader's check of rows of several rings against the records they should hold (``whole_records``):
+    in C, exactly numpy's mask on torn, zeroed, moved and out-of-state rows, and rows checked against the wrong
+    sequence number."""
+    import numpy as np
+
+    from megatrace.trace import ring_format as fmt
+    from megatrace.trace._ringfast import whole_rows
+    from megatrace.trace.ring_records import RECORD_DTYPE, whole_records, whole_records_numpy
+
+    capacity = 128
+    bodies = []
+    for r in range(3):
+        writer = RingWriter(tmp_path / str(r), RingIdentity(rank=r, world_size=3), capacity=capacity, use_native=True)
+        for k in range(capacity + 40 * r):
+            handle = writer.begin(1 + k % 9, 7, k, 1 << (k % 40), -1, 0, 0)
+            if k % 3:
+                writer.complete(handle, 2 + k % 2)
+        writer.close()
+        bodies.append(np.fromfile(writer.path, np.uint8)[fmt.HEADER_SIZE:].reshape(capacity, fmt.RECORD_SIZE))
+    raw = np.concatenate(bodies)
+    rng = np.random.default_rng(3)
+    rows = rng.permutation(len(raw))
+    raw[rows[:30], rng.integers(0, 64, 30)] ^= rng.integers(1, 256, 30).astype(np.uint8)
+    raw[rows[30:40]] = 0
+    raw[rows[40:45]] = raw[rows[45:50]]
+    raw[rows[50:55], 56] = 0  # state "none"
+    seqs = raw.view(RECORD_DTYPE).reshape(-1)["seq"].copy()
+    seqs[rows[60:80]] += np.uint64(1)  # checked against a record the row does not hold
+    c, py = whole_records(raw, seqs), whole_records_numpy(raw, seqs)
+    assert np.array_equal(c, py)
+    assert 0 < c.sum() < len(raw) - 60 and not c[rows[60:80]].any()
+    assert whole_records(raw[:0], seqs[:0]).shape == (0,)
+    with pytest.raises(ValueError):
+        whole_rows(raw, seqs[:-1], np.empty(len(raw), np.uint8))
+    with pytest.raises(ValueError):
+        whole_rows(raw, seqs.astype(np.int32), np.empty(len(raw), np.uint8))
+    with pytest.raises(ValueError):
+        whole_rows(raw.reshape(-1)[:100], seqs, np.empty(len(raw), np.uint8))

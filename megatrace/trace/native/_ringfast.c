@@ -424,6 +424,59 @@ done:
     return Py_BuildValue("(nKnnii)", count, (unsigned long long)newest, first, last, ascending, clean);
 }
 
+/* The tail reader's check (ring_records.whole_records): row i holds exactly record seqs[i], both checksums and its
+ * state right. Rows of several rings at once; `seqs` is one uint64 per row, `out` one byte per row. */
+static PyObject *whole_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer raw, seqs, out;
+    Py_ssize_t n;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "whole_rows(raw, seqs, out)");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &raw, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    n = raw.len / MT_RECORD_SIZE;
+    if (raw.len % MT_RECORD_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "raw must hold whole 64-byte rows");
+        goto no_seqs;
+    }
+    if (PyObject_GetBuffer(args[1], &seqs, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto no_seqs;
+    if (seqs.itemsize != 8 || seqs.len != n * 8 || seqs.format == NULL || strchr("QLq", seqs.format[0]) == NULL) {
+        PyErr_SetString(PyExc_ValueError, "seqs must hold one uint64 per row");
+        goto no_out;
+    }
+    if (writable_mask(args[2], &out, n) < 0)
+        goto no_out;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *row = raw.buf;
+    const uint64_t *want = seqs.buf;
+    unsigned char *whole = out.buf;
+    for (Py_ssize_t i = 0; i < n; i++, row += MT_RECORD_SIZE) {
+        uint64_t seq;
+        uint32_t head_check, state_word, tail_check;
+        int64_t t_complete;
+        memcpy(&seq, row, 8);
+        memcpy(&head_check, row + MT_HEAD_LEN, 4);
+        memcpy(&t_complete, row + MT_TAIL_OFFSET, 8);
+        memcpy(&state_word, row + MT_TAIL_OFFSET + 8, 4);
+        memcpy(&tail_check, row + MT_TAIL_OFFSET + 12, 4);
+        whole[i] = seq == want[i] && row[MT_TAIL_OFFSET + 8] >= 1 && row[MT_TAIL_OFFSET + 8] <= 3
+                   && mt_adler32(row, MT_HEAD_LEN) == head_check
+                   && mt_tail_check(t_complete, state_word, seq) == tail_check;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out);
+no_out:
+    PyBuffer_Release(&seqs);
+no_seqs:
+    PyBuffer_Release(&raw);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /*
  * The loader's hot path: whole records into columns (load/rings.py, RecordColumns). Rows at..at+n of each
  * column get the fields of the n records of `raw`, in the order of SPLIT_COLUMNS; seq, group_seq and nbytes
@@ -524,6 +577,9 @@ static PyMethodDef module_methods[] = {
      "scan_slots(raw, capacity, empty, head_ok, tail_ok): ring_records.validate() of a whole ring's copy "
      "(row i is slot i), its three masks written into the given one-byte-per-row buffers; returns (whole "
      "records, newest seq, first and last row of one or -1, their seqs ascend by row, every slot empty or whole)."},
+    {"whole_rows", (PyCFunction)(void (*)(void))whole_rows, METH_FASTCALL,
+     "whole_rows(raw, seqs, out): ring_records.whole_records() of rows of several rings, row i checked against "
+     "record seqs[i] (uint64), written into out, one byte per row."},
     {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL,
      "split_records(raw, at, seq, group_seq, t_enqueue, t_complete, nbytes, group_id, peer, op, dtype, flags, "
      "state): the fields of raw's records into rows at.. of the columns; the bits of the 4-byte columns among "
