@@ -10,6 +10,7 @@ stream of tests/helpers/ring_stream.py); damage is made by editing bytes of the 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import tempfile
@@ -350,3 +351,89 @@ def test_native_and_python_rings_read_alike():
             assert snap.records["seq"].tolist() == list(range(924, 1001))
             check_against_gen(snap.records, exact_times=kind == "python")
             assert np.array_equal(read_tails([path], 77)[0].records, snap.records)
+
+
+@pytest.fixture(params=["c", "python"])
+def batch_io(request, monkeypatch):
+    """The tail reader's batch reads in one pass of C, or each file opened and read on its own (no extension)."""
+    from megatrace.trace import ring_io
+
+    if request.param == "c":
+        if ring_io._open_heads is None:
+            pytest.skip("C hot path not built (no compiler at install)")
+    else:
+        monkeypatch.setattr(ring_io, "_open_heads", None)
+        monkeypatch.setattr(ring_io, "_read_runs", None)
+    return request.param
+
+
+def test_read_tails_of_odd_files_the_same_with_or_without_the_c_pass(tmp_path, batch_io):
+    """Rings beside a link to a ring (this user's: followed), a FIFO, a directory, a short file, a missing one: each
+    ring's tail as read alone, each odd file its own error, whichever way the batch is read (nothing blocks)."""
+    paths = []
+    for k, (cap, n) in enumerate([(16, 5), (64, 1000), (1024, 300)]):
+        d = tmp_path / f"r{k}"
+        d.mkdir()
+        paths.append(_ring(d, cap, n, close=k != 1))
+    link = tmp_path / "link.ring"
+    link.symlink_to(paths[1])
+    fifo = tmp_path / "fifo.ring"
+    os.mkfifo(fifo)
+    folder = tmp_path / "folder.ring"
+    folder.mkdir()
+    short = tmp_path / "short.ring"
+    short.write_bytes(fmt.MAGIC + b"\0" * 100)
+    got = read_tails([paths[0], link, fifo, folder, paths[1], short, tmp_path / "missing.ring", paths[2]], 40)
+    for p, snap in zip([paths[0], paths[1], paths[1], paths[2]], [got[0], got[1], got[4], got[7]], strict=True):
+        assert isinstance(snap, RingSnapshot), snap
+        _assert_same(snap, _summary(read_ring(p, last=40)))
+        assert snap.header.write_counter == read_ring(p).header.write_counter
+    assert isinstance(got[2], OSError) and "not a regular file" in str(got[2])
+    assert isinstance(got[3], OSError) and "not a regular file" in str(got[3])
+    assert isinstance(got[5], RingFormatError) and str(short) in str(got[5])
+    assert isinstance(got[6], FileNotFoundError)
+
+
+def test_batch_reads_in_c_give_what_python_reads(tmp_path):
+    """``open_heads`` and ``read_runs`` in C against their Python twins: the same header bytes and sizes of each
+    ring; -1 and the errno for what the caller must read its own way; the same bytes of every run, EBADF for a run
+    of a descriptor that is not open."""
+    from megatrace.trace import ring_io
+    from megatrace.trace.ring_header import HEADER_USED, LIVE_TRIES, LIVE_WORDS, read_header_bytes
+
+    if ring_io._open_heads is None:
+        pytest.skip("C hot path not built (no compiler at install)")
+    rings = [_ring(tmp_path / f"r{k}", 64, 30 * k + 1) for k in range(3) if not (tmp_path / f"r{k}").mkdir()]
+    link = tmp_path / "link.ring"
+    link.symlink_to(rings[0])
+    short = tmp_path / "short.ring"
+    short.write_bytes(b"x" * 100)
+    paths = [*rings, link, tmp_path / "missing.ring", tmp_path, short]
+    got = ring_io.open_heads(paths, HEADER_USED, LIVE_WORDS, LIVE_TRIES)
+    try:
+        assert got.fds[:3].min() >= 0 and got.fds[3:6].tolist() == [-1, -1, -1] and got.fds[6] >= 0
+        assert got.errs.tolist()[3:6] == [errno.ELOOP, errno.ENOENT, errno.EINVAL] and not got.errs[[0, 1, 2, 6]].any()
+        for k in (0, 1, 2, 6):
+            with open(paths[k], "rb") as f:
+                assert got.head(k) == read_header_bytes(f.fileno()) and got.sizes[k] == os.path.getsize(paths[k])
+        fds = [int(got.fds[k]) for k in (0, 1, 2, 6)] + [999_999]
+        offsets, lengths, at = [0, 4096, 4100, 10, 0], [300, 640, 64, 90, 8], [0, 300, 940, 1004, 1094]
+        runs = []
+        for native in (True, False):
+            dest = np.zeros(1200, np.uint8)
+            if not native:
+                saved, ring_io._read_runs = ring_io._read_runs, None
+            try:
+                errs = ring_io.read_runs(fds, offsets, lengths, dest, at)
+            finally:
+                if not native:
+                    ring_io._read_runs = saved
+            runs.append((dest.tobytes(), errs))
+        assert runs[0] == runs[1] and runs[0][1] == [0, 0, 0, 0, errno.EBADF]
+        assert runs[0][0][:300] == open(rings[0], "rb").read(300)
+        with pytest.raises(ValueError):
+            ring_io.read_runs(fds[:1], [0], [64], np.zeros(32, np.uint8), [0])
+    finally:
+        for fd in got.fds.tolist():
+            if fd >= 0:
+                os.close(fd)

@@ -82,8 +82,8 @@ class RingSnapshot:
         return [{n: int(r[n]) for n in names} for r in self.records]
 
 
-_LIVE = slice(fmt.WRITE_COUNTER_OFFSET, HEADER_USED)  # the header words a live writer rewrites
-_LIVE_TRIES = 4
+LIVE_WORDS = slice(fmt.WRITE_COUNTER_OFFSET, HEADER_USED)  # the header words a live writer rewrites
+LIVE_TRIES = 4
 
 
 def read_header_bytes(fd: int, length: int = HEADER_USED) -> bytes:
@@ -91,17 +91,17 @@ def read_header_bytes(fd: int, length: int = HEADER_USED) -> bytes:
     signal) read again until two reads agree: a ``pread`` beside a live writer can copy a word half old, half new
     (the kernel's copy is not word-atomic; about one read in a million, seen in CI). A writer rewrites these
     words at most every few microseconds (a call) and usually every 10 ms or more: two agreeing reads hold
-    whole words. Against a writer faster than that, the last read is kept after :data:`_LIVE_TRIES`."""
+    whole words. Against a writer faster than that, the last read is kept after :data:`LIVE_TRIES`."""
     blob = os.pread(fd, length, 0)
-    if len(blob) < _LIVE.stop:
+    if len(blob) < LIVE_WORDS.stop:
         return blob  # (a short file: parse_header says so)
-    live = blob[_LIVE]
-    for _ in range(_LIVE_TRIES):
-        again = os.pread(fd, len(live), _LIVE.start)
+    live = blob[LIVE_WORDS]
+    for _ in range(LIVE_TRIES):
+        again = os.pread(fd, len(live), LIVE_WORDS.start)
         if again == live:
             break
         live = again
-    return blob[:_LIVE.start] + live + blob[_LIVE.stop:]
+    return blob[:LIVE_WORDS.start] + live + blob[LIVE_WORDS.stop:]
 
 
 def _decode(raw: bytes) -> str:

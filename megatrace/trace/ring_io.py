@@ -1,12 +1,24 @@
-"""The reads behind the ring reader: runs of slots into rows, whole bodies, read-ahead hints, open budgets."""
+"""The reads behind the ring reader: runs of slots into rows, whole bodies, read-ahead hints, open budgets, and
+the tail reader's batch reads (many files' headers, then runs of their slots: each in one pass of C when the
+extension is built)."""
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from megatrace.files import INPUT_FLAGS
 from megatrace.trace import ring_format as fmt
+
+try:
+    from megatrace.trace._ringfast import open_heads as _open_heads  # type: ignore[import-not-found]
+    from megatrace.trace._ringfast import read_runs as _read_runs  # type: ignore[import-not-found]
+except ImportError:  # not built: each file is opened and read on its own (the caller's way), runs by os.preadv
+    _open_heads = _read_runs = None
 
 COUNTER_LIMIT = 1 << 62  # a write counter beyond this is garbage: it cannot say where the tail is
 _FADVISE = hasattr(os, "posix_fadvise")
@@ -63,3 +75,62 @@ def pread_all(fd: int, n: int, offset: int) -> np.ndarray:
             break
         got += k
     return buf[:got]
+
+
+@dataclass
+class OpenedHeads:
+    """Many files opened and their headers read (:func:`open_heads`), row ``i`` for file ``i``."""
+
+    fds: np.ndarray  # int32: the open descriptor, -1 where the caller must open and read the file its own way
+    sizes: np.ndarray  # int64: file sizes
+    lens: np.ndarray  # int64: header bytes read (fewer than asked in a short file)
+    heads: np.ndarray  # uint8 (n, header_len)
+    errs: np.ndarray  # int32: why fds[i] is -1 (an errno; EINVAL: not a regular file; ENOSYS: no C pass)
+
+    def head(self, i: int) -> bytes:
+        return self.heads[i, :int(self.lens[i])].tobytes()
+
+
+def open_heads(paths: Sequence[str | os.PathLike[str]], header_len: int, live: slice, tries: int) -> OpenedHeads:
+    """Open ``paths`` read-only (``files.INPUT_FLAGS``: no link followed, nothing blocks) and read the first
+    ``header_len`` bytes of each, its ``live`` words read again until two reads agree (at most ``tries`` times, as
+    ``ring_header.read_header_bytes``): all files opened and their headers asked for first, so that the kernel reads
+    them ahead together, then read; in one pass of C. A file that is anything but a regular file opened and read in
+    whole (a link, a FIFO, an error, a short re-read of the live words), and every file where the extension is not
+    built, gets fd -1: the caller opens and reads it its own way, which says what is wrong."""
+    n = len(paths)
+    out = OpenedHeads(np.full(n, -1, np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                      np.zeros((n, header_len), np.uint8), np.full(n, errno.ENOSYS, np.int32))
+    if _open_heads is not None and n:
+        _open_heads(paths, INPUT_FLAGS, header_len, live.start, live.stop, tries, out.fds, out.sizes, out.lens,
+                    out.heads, out.errs)
+    return out
+
+
+def read_runs(fds: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], dest: np.ndarray,
+              at: Sequence[int]) -> list[int]:
+    """Read run ``j`` (``lengths[j]`` bytes of ``fds[j]`` at ``offsets[j]``) into the flat bytes of ``dest`` at
+    ``at[j]``, the kernel asked for every run first; one read a run (a short one leaves the rest as it was). Returns
+    each run's errno, 0 when read. In one pass of C when the extension is built, else with ``os.preadv``."""
+    if not dest.flags.c_contiguous:
+        raise ValueError("read_runs: dest must be one contiguous buffer")
+    flat = dest.reshape(-1).view(np.uint8)
+    m = len(fds)
+    if _read_runs is not None and m:
+        errs = np.zeros(m, np.int32)
+        _read_runs(np.asarray(fds, np.int32), np.asarray(offsets, np.int64), np.asarray(lengths, np.int64), flat,
+                   np.asarray(at, np.int64), errs)
+        return errs.tolist()
+    for fd, offset, length in zip(fds, offsets, lengths, strict=True):
+        try:
+            will_need(fd, offset, length)
+        except OSError:
+            pass  # (a hint: the read says what is wrong)
+    out = []
+    for fd, offset, length, start in zip(fds, offsets, lengths, at, strict=True):
+        try:
+            os.preadv(fd, [flat[start:start + length]], offset)
+            out.append(0)
+        except OSError as exc:
+            out.append(exc.errno or errno.EIO)
+    return out

@@ -9,10 +9,10 @@ import numpy as np
 
 from megatrace.files import open_input
 from megatrace.trace import ring_format as fmt
-from megatrace.trace.ring_header import (HEADER_USED, ReadProblem, RingFormatError, RingHeader, RingSnapshot,
-                                         parse_header, read_header_bytes, torn_problems, truncation,
+from megatrace.trace.ring_header import (HEADER_USED, LIVE_TRIES, LIVE_WORDS, ReadProblem, RingFormatError, RingHeader,
+                                         RingSnapshot, parse_header, read_header_bytes, torn_problems, truncation,
                                          unreadable_problems)
-from megatrace.trace.ring_io import open_budget, pread_rows, slot_runs, will_need
+from megatrace.trace.ring_io import open_budget, open_heads, pread_rows, read_runs, slot_runs
 from megatrace.trace.ring_records import RECORD_DTYPE, SlotCopy, older_or_empty, validate, whole_records
 from megatrace.trace.tail_pack import PackedFile, header_span
 
@@ -150,25 +150,29 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
                           out: list, heads: list, first: np.ndarray, rows: np.ndarray, caps: np.ndarray,
                           sizes: list[int], pack: Mapping[str, PackedFile] | None = None) -> None:
     """``read_tails``' reads for the files ``which``, in three passes so that the kernel reads ahead for
-    all of them at once when they are not cached: open each file and ask for its header; read the
-    headers and ask for each tail; read the tails (into ``raw``, at each ring's rows). A file the tails
-    ``pack`` holds is not opened at all."""
+    all of them at once when they are not cached: open each file and ask for its header, then read the headers
+    (both in one C pass, ``ring_io.open_heads``); ask for each tail and read them (into ``raw``, at each ring's
+    rows: one C pass, ``ring_io.read_runs``). A file the C pass leaves to us (a link, not a regular file, an
+    error, no extension) is opened and read here, through ``files.open_input``'s checks. A file the tails ``pack``
+    holds is not opened at all."""
     stride = last + 2
+    todo = [i for i in which
+            if not (pack and _from_pack(pack, paths[i], i, last, raw, out, heads, first, rows, caps, sizes))]
+    opened = open_heads([paths[i] for i in todo], HEADER_USED, LIVE_WORDS, LIVE_TRIES)
     fds: dict[int, int] = {}
+    runs: list[tuple[int, int, int, int]] = []  # (file, offset, bytes, where in raw)
     try:
-        for i in which:
-            if pack and _from_pack(pack, paths[i], i, last, raw, out, heads, first, rows, caps, sizes):
-                continue
+        for k, i in enumerate(todo):
+            fd = int(opened.fds[k])
             try:
-                fds[i] = open_input(paths[i])
-            except OSError as exc:
-                out[i] = exc
-                continue
-            will_need(fds[i], 0, HEADER_USED)
-        for i, fd in fds.items():
-            try:
-                sizes[i] = os.fstat(fd).st_size
-                header, problems = parse_header(str(paths[i]), read_header_bytes(fd), sizes[i])
+                if fd >= 0:
+                    fds[i], sizes[i] = fd, int(opened.sizes[k])
+                    blob = opened.head(k)
+                else:
+                    fds[i] = fd = open_input(paths[i])
+                    sizes[i] = os.fstat(fd).st_size
+                    blob = read_header_bytes(fd)
+                header, problems = parse_header(str(paths[i]), blob, sizes[i])
             except (RingFormatError, OSError) as exc:
                 out[i] = exc
                 continue
@@ -179,15 +183,13 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
             if span is None:
                 continue  # read on its own later
             first[i], rows[i], caps[i] = span
-            for offset, _, count in slot_runs(span[0], span[1], span[2], sizes[i]):
-                will_need(fd, offset, count * fmt.RECORD_SIZE)
-        for i in which:
-            if rows[i] and i in fds:  # (rows from the pack are in place already)
-                try:
-                    pread_rows(fds[i], raw[i * stride:i * stride + int(rows[i])], int(first[i]), int(caps[i]),
-                               sizes[i])
-                except OSError as exc:
-                    out[i], rows[i] = exc, 0
+            for offset, row, count in slot_runs(span[0], span[1], span[2], sizes[i]):
+                runs.append((i, offset, count * fmt.RECORD_SIZE, (i * stride + row) * fmt.RECORD_SIZE))
+        if runs:
+            files, offsets, lengths, at = zip(*runs, strict=True)
+            for i, err in zip(files, read_runs([fds[i] for i in files], offsets, lengths, raw, at), strict=True):
+                if err and rows[i]:
+                    out[i], rows[i] = OSError(err, os.strerror(err), str(paths[i])), 0
     finally:
         for fd in fds.values():
             os.close(fd)

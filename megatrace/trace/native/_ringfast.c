@@ -1,6 +1,6 @@
 /*
- * megatrace.trace._ringfast: the ring writer's hot path in C, the reader's slot checks and the loader's
- * records-to-columns copy.
+ * megatrace.trace._ringfast: the ring writer's hot path in C, the reader's slot checks, the tail reader's batch
+ * reads and the loader's records-to-columns copy.
  *
  * RingWriter (ring_writer.py) uses it when it was built and falls back to its
  * pure-Python twin otherwise; both write the same bytes (ring_record.h). Calls
@@ -11,9 +11,11 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -172,7 +174,7 @@ static int arg_int(PyObject *const *args, Py_ssize_t i, long long lo, long long 
     if (v == -1 && PyErr_Occurred())
         return -1;
     if (overflow || v < lo || v > hi) {
-        PyErr_Format(PyExc_OverflowError, "begin() argument %zd out of range [%lld, %lld]", i + 1, lo, hi);
+        PyErr_Format(PyExc_OverflowError, "argument %zd out of range [%lld, %lld]", i + 1, lo, hi);
         return -1;
     }
     *out = v;
@@ -477,6 +479,215 @@ no_seqs:
     Py_RETURN_NONE;
 }
 
+/* A writable C-contiguous buffer of n items of `itemsize` bytes each. */
+static int writable_items(PyObject *obj, Py_buffer *view, Py_ssize_t n, Py_ssize_t itemsize, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->len != n * itemsize) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s must hold %zd items of %zd bytes", what, n, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static ssize_t pread_retry(int fd, void *buf, size_t len, off_t offset)
+{
+    ssize_t got;
+    do
+        got = pread(fd, buf, len, offset);
+    while (got < 0 && errno == EINTR);
+    return got;
+}
+
+/*
+ * The tail reader's first two passes over many ring files (ring_io.open_heads; its Python twin does the same):
+ * open each (with the caller's flags) and ask the kernel for its header; then check it is a regular file, read
+ * its size and its first `header_len` bytes, the live words [live_start, live_stop) read again until two reads
+ * agree (at most `tries` times). A file that fails any step is closed, its fd -1 and errs[i] its errno (EINVAL:
+ * not a regular file; EAGAIN: the live words could not be read again in whole): the caller reads it its own way.
+ */
+static PyObject *open_heads(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq = NULL, **paths = NULL;
+    Py_buffer fds_b, sizes_b, lens_b, heads_b, errs_b;
+    long long flags, header_len, live_start, live_stop, tries;
+    Py_ssize_t n, k = 0, got_buffers = 0;
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "open_heads(paths, flags, header_len, live_start, live_stop, tries, fds, "
+                                         "sizes, lens, heads, errs)");
+        return NULL;
+    }
+    if (arg_int(args, 1, INT_MIN, INT_MAX, &flags) < 0 || arg_int(args, 2, 1, 1 << 20, &header_len) < 0
+        || arg_int(args, 3, 0, 1 << 20, &live_start) < 0 || arg_int(args, 4, 0, 1 << 20, &live_stop) < 0
+        || arg_int(args, 5, 0, 64, &tries) < 0)
+        return NULL;
+    if (live_start > live_stop || live_stop > header_len) {
+        PyErr_SetString(PyExc_ValueError, "the live words must lie inside the header");
+        return NULL;
+    }
+    seq = PySequence_Fast(args[0], "paths must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *views[5] = {&fds_b, &sizes_b, &lens_b, &heads_b, &errs_b};
+    const Py_ssize_t sizes_of[5] = {4, 8, 8, 1, 4};
+    const Py_ssize_t counts[5] = {n, n, n, n * (Py_ssize_t)header_len, n};
+    static const char *names[5] = {"fds", "sizes", "lens", "heads", "errs"};
+    for (; got_buffers < 5; got_buffers++)
+        if (writable_items(args[6 + got_buffers], views[got_buffers], counts[got_buffers], sizes_of[got_buffers],
+                           names[got_buffers]) < 0)
+            goto done;
+    paths = PyMem_Calloc(n ? n : 1, sizeof *paths);
+    if (paths == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; k < n; k++)
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, k), &paths[k]))
+            goto done;
+    int32_t *fds = fds_b.buf, *errs = errs_b.buf;
+    int64_t *sizes = sizes_b.buf, *lens = lens_b.buf;
+    unsigned char *heads = heads_b.buf;
+    size_t live_len = (size_t)(live_stop - live_start);
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char again[4096];
+    for (Py_ssize_t i = 0; i < n; i++) { /* open all, then read: the kernel reads every header ahead at once */
+        int fd;
+        do
+            fd = open(PyBytes_AS_STRING(paths[i]), (int)flags);
+        while (fd < 0 && errno == EINTR);
+        fds[i] = fd;
+        errs[i] = fd < 0 ? errno : 0;
+        sizes[i] = lens[i] = 0;
+#ifdef POSIX_FADV_WILLNEED
+        if (fd >= 0)
+            (void)posix_fadvise(fd, 0, (off_t)header_len, POSIX_FADV_WILLNEED);
+#endif
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        struct stat st;
+        unsigned char *head = heads + i * header_len;
+        ssize_t got;
+        int fd = fds[i], err = 0;
+        if (fd < 0)
+            continue;
+        if (fstat(fd, &st) < 0)
+            err = errno;
+        else if (!S_ISREG(st.st_mode))
+            err = EINVAL;
+        else if ((got = pread_retry(fd, head, (size_t)header_len, 0)) < 0)
+            err = errno;
+        else {
+            sizes[i] = (int64_t)st.st_size;
+            lens[i] = got;
+            if (got >= live_stop && live_len) {
+                int agreed = 0;
+                if (live_len > sizeof again)
+                    err = EAGAIN;
+                for (long long t = 0; t < tries && !err; t++) {
+                    ssize_t again_len = pread_retry(fd, again, live_len, (off_t)live_start);
+                    if (again_len != (ssize_t)live_len) {
+                        err = EAGAIN; /* (a short re-read: the Python reader keeps what it got) */
+                        break;
+                    }
+                    agreed = memcmp(again, head + live_start, live_len) == 0;
+                    memcpy(head + live_start, again, live_len);
+                    if (agreed)
+                        break;
+                }
+            }
+        }
+        if (err) {
+            close(fd);
+            fds[i] = -1;
+            errs[i] = err;
+        }
+    }
+    Py_END_ALLOW_THREADS
+done:
+    if (paths != NULL) {
+        for (Py_ssize_t j = 0; j < k; j++)
+            Py_DECREF(paths[j]);
+        PyMem_Free(paths);
+    }
+    while (got_buffers-- > 0)
+        PyBuffer_Release(views[got_buffers]);
+    Py_DECREF(seq);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/*
+ * The tail reader's last pass (ring_io.read_runs): runs of bytes of open files into one buffer, run j being
+ * lengths[j] bytes of fds[j] at offsets[j] into dest at at[j]; the kernel asked for every run first. One pread a
+ * run (a short one leaves the rest of the run as it was: zeros, an empty slot); errs[j] its errno or 0.
+ */
+static PyObject *read_runs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer b[6];
+    Py_ssize_t m, got_buffers = 0;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "read_runs(fds, offsets, lengths, dest, at, errs)");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &b[0], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    got_buffers = 1;
+    m = b[0].len / 4;
+    if (b[0].itemsize != 4 || b[0].len != m * 4) {
+        PyErr_SetString(PyExc_ValueError, "fds must hold int32 items");
+        goto done;
+    }
+    static const Py_ssize_t widths[6] = {4, 8, 8, 1, 8, 4};
+    static const char *names[6] = {"fds", "offsets", "lengths", "dest", "at", "errs"};
+    for (; got_buffers < 6; got_buffers++) {
+        Py_ssize_t i = got_buffers;
+        if (i == 3) { /* dest: any length */
+            if (PyObject_GetBuffer(args[3], &b[3], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+                goto done;
+            continue;
+        }
+        if (i == 5) {
+            if (writable_items(args[5], &b[5], m, 4, names[5]) < 0)
+                goto done;
+            continue;
+        }
+        if (PyObject_GetBuffer(args[i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto done;
+        if (b[i].itemsize != widths[i] || b[i].len != m * widths[i]) {
+            got_buffers++;
+            PyErr_Format(PyExc_ValueError, "%s must hold one int64 per run", names[i]);
+            goto done;
+        }
+    }
+    const int32_t *fds = b[0].buf;
+    const int64_t *offsets = b[1].buf, *lengths = b[2].buf, *at = b[4].buf;
+    unsigned char *dest = b[3].buf;
+    int32_t *errs = b[5].buf;
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (lengths[j] < 0 || offsets[j] < 0 || at[j] < 0 || at[j] > b[3].len || lengths[j] > b[3].len - at[j]) {
+            PyErr_SetString(PyExc_ValueError, "a run lies outside dest, or has a negative offset or length");
+            goto done;
+        }
+    Py_BEGIN_ALLOW_THREADS
+#ifdef POSIX_FADV_WILLNEED
+    for (Py_ssize_t j = 0; j < m; j++)
+        (void)posix_fadvise(fds[j], (off_t)offsets[j], (off_t)lengths[j], POSIX_FADV_WILLNEED);
+#endif
+    for (Py_ssize_t j = 0; j < m; j++)
+        errs[j] = pread_retry(fds[j], dest + at[j], (size_t)lengths[j], (off_t)offsets[j]) < 0 ? errno : 0;
+    Py_END_ALLOW_THREADS
+done:
+    while (got_buffers-- > 0)
+        PyBuffer_Release(&b[got_buffers]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /*
  * The loader's hot path: whole records into columns (load/rings.py, RecordColumns). Rows at..at+n of each
  * column get the fields of the n records of `raw`, in the order of SPLIT_COLUMNS; seq, group_seq and nbytes
@@ -580,6 +791,11 @@ static PyMethodDef module_methods[] = {
     {"whole_rows", (PyCFunction)(void (*)(void))whole_rows, METH_FASTCALL,
      "whole_rows(raw, seqs, out): ring_records.whole_records() of rows of several rings, row i checked against "
      "record seqs[i] (uint64), written into out, one byte per row."},
+    {"open_heads", (PyCFunction)(void (*)(void))open_heads, METH_FASTCALL,
+     "open_heads(paths, flags, header_len, live_start, live_stop, tries, fds, sizes, lens, heads, errs): open ring "
+     "files and read their headers (ring_io.open_heads)."},
+    {"read_runs", (PyCFunction)(void (*)(void))read_runs, METH_FASTCALL,
+     "read_runs(fds, offsets, lengths, dest, at, errs): runs of bytes of open files into dest (ring_io.read_runs)."},
     {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL,
      "split_records(raw, at, seq, group_seq, t_enqueue, t_complete, nbytes, group_id, peer, op, dtype, flags, "
      "state): the fields of raw's records into rows at.. of the columns; the bits of the 4-byte columns among "
