@@ -75,6 +75,37 @@ static void release(Column *cols, int k)
 }
 
 /*
+ * The arguments key_ranges and place share: keys, seqs, op (or None: every row keyed), send, recv, then `n_tables`
+ * more columns (args[5..]) into c[3..], writable from c[writable_from] on. 0, or -1 with an exception set (the
+ * caller releases what was taken: c zeroed first).
+ */
+typedef struct {
+    int with_op;
+    long send, recv;
+} KeyedRows;
+
+static int keyed_columns(const char *fname, PyObject *const *args, Column *c, int n_tables, int writable_from,
+                         const char *const *names, KeyedRows *kr)
+{
+    kr->with_op = args[2] != Py_None;
+    kr->send = PyLong_AsLong(args[3]);
+    kr->recv = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred())
+        return -1;
+    for (int k = 0; k < 3 + n_tables; k++) {
+        if (k == 2 && !kr->with_op)
+            continue;
+        if (get_column(args[k < 3 ? k : k + 2], &c[k], k >= writable_from, names[k]) < 0)
+            return -1;
+    }
+    if (c[1].n != c[0].n || (kr->with_op && c[2].n != c[0].n)) {
+        PyErr_Format(PyExc_ValueError, "%s: keys, seqs (and op) of one length", fname);
+        return -1;
+    }
+    return 0;
+}
+
+/*
  * key_ranges(keys, seqs, op, send, recv, smin, smax) -> rows: for each row with keys[i] >= 0 (and, when op is not
  * None, an op other than the codes send and recv), smin[key] = min(smin[key], seqs[i]) and smax[key] likewise
  * (int64 tables of the keys). Returns how many rows were counted, or -1 (tables partly updated) when a sequence
@@ -84,34 +115,24 @@ static PyObject *key_ranges(PyObject *Py_UNUSED(module), PyObject *const *args, 
 {
     Column c[5];
     memset(c, 0, sizeof c);
-    int k = 0, with_op;
+    KeyedRows kr;
     Py_ssize_t rows = 0;
-    long send, recv;
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "key_ranges(keys, seqs, op, send, recv, smin, smax)");
         return NULL;
     }
-    with_op = args[2] != Py_None;
-    send = PyLong_AsLong(args[3]);
-    recv = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    static const char *names[5] = {"keys", "seqs", "op", "smin", "smax"};
-    for (; k < 5; k++) {
-        if (k == 2 && !with_op)
-            continue;
-        if (get_column(args[k < 3 ? k : k + 2], &c[k], k >= 3, names[k]) < 0)
-            goto fail;
-    }
-    if (c[1].n != c[0].n || (with_op && c[2].n != c[0].n) || c[3].width != 8 || c[4].width != 8
-        || c[4].n != c[3].n) {
-        PyErr_SetString(PyExc_ValueError,
-                        "key_ranges: keys, seqs (and op) of one length, int64 tables of one length");
+    static const char *const names[5] = {"keys", "seqs", "op", "smin", "smax"};
+    if (keyed_columns("key_ranges", args, c, 2, 3, names, &kr) < 0)
+        goto fail;
+    if (c[3].width != 8 || c[4].width != 8 || c[4].n != c[3].n) {
+        PyErr_SetString(PyExc_ValueError, "key_ranges: int64 tables of one length");
         goto fail;
     }
     {
         int64_t *smin = c[3].view.buf, *smax = c[4].view.buf;
         Py_ssize_t n = c[0].n, n_keys = c[3].n;
+        const int with_op = kr.with_op;
+        const long send = kr.send, recv = kr.recv;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t key = load_int(&c[0], i), v;
@@ -149,34 +170,26 @@ static PyObject *place(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
 {
     Column c[6];
     memset(c, 0, sizeof c);
-    int k = 0, with_op;
+    KeyedRows kr;
     long result = 1;
-    long send, recv;
     if (nargs != 8) {
         PyErr_SetString(PyExc_TypeError, "place(keys, seqs, op, send, recv, offset, ids, used)");
         return NULL;
     }
-    with_op = args[2] != Py_None;
-    send = PyLong_AsLong(args[3]);
-    recv = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    static const char *names[6] = {"keys", "seqs", "op", "offset", "ids", "used"};
-    for (; k < 6; k++) {
-        if (k == 2 && !with_op)
-            continue;
-        if (get_column(args[k < 3 ? k : k + 2], &c[k], k >= 4, names[k]) < 0)
-            goto fail;
-    }
-    if (c[1].n != c[0].n || (with_op && c[2].n != c[0].n) || c[4].n != c[0].n || c[3].width != 8
-        || !(c[4].width == 4 || c[4].width == 8) || !c[4].is_signed || c[5].width != 1) {
-        PyErr_SetString(PyExc_ValueError, "place: keys, seqs, (op,) ids of one length; offset int64, ids int32/int64, "
-                                          "used one byte a slot");
+    static const char *const names[6] = {"keys", "seqs", "op", "offset", "ids", "used"};
+    if (keyed_columns("place", args, c, 3, 4, names, &kr) < 0)
+        goto fail;
+    if (c[4].n != c[0].n || c[3].width != 8 || !(c[4].width == 4 || c[4].width == 8) || !c[4].is_signed
+        || c[5].width != 1) {
+        PyErr_SetString(PyExc_ValueError, "place: ids as long as keys; offset int64, ids int32/int64, used one byte "
+                                          "a slot");
         goto fail;
     }
     {
         const int64_t *offset = c[3].view.buf;
         unsigned char *used = c[5].view.buf;
+        const int with_op = kr.with_op;
+        const long send = kr.send, recv = kr.recv;
         Py_ssize_t n = c[0].n, n_keys = c[3].n, n_slots = c[5].n, placed = 0;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
