@@ -290,3 +290,60 @@ def test_a_sparse_gigabyte_ring_costs_only_what_its_capacity_says(tmp_path: Path
     n, grown_kib = done.stdout.split()
     # What reading costs, whatever the interpreter had loaded before: the capacity's 8 KiB, not the file's 1 GiB.
     assert n == "1" and int(grown_kib) < 64_000, (done.stdout, done.stderr)
+
+
+@pytest.fixture(params=["c", "python"])
+def meta_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Meta files (and ring heads and tails) read by the C batch passes, or each on its own (no extension)."""
+    from megatrace.trace import ring_io
+
+    if request.param == "c" and ring_io._read_files is None:
+        pytest.skip("C extension not built (no compiler at install): the Python way runs in the other case")
+    if request.param == "python":
+        for name in ("_read_files", "_open_heads", "_read_runs"):
+            monkeypatch.setattr(ring_io, name, None)
+    return request.param
+
+
+def test_a_quick_load_reads_odd_meta_files_as_a_full_load_does(tmp_path: Path, meta_reads: str) -> None:
+    """Rank 1's meta file is a link to a copy (this user's link: followed), rank 2's a FIFO (not read, nothing
+    blocks), rank 3's missing: the quick load's groups and problems are the full load's, either way."""
+    import os
+
+    b, groups = four_ranks()
+    b.write(tmp_path, closed=True)
+    metas = {r: next(tmp_path.rglob(f"rank-{r:05d}.meta.jsonl")) for r in range(4)}
+    copy = tmp_path / "copy.jsonl"
+    shutil.move(metas[1], copy)
+    metas[1].symlink_to(copy)
+    metas[2].unlink()
+    os.mkfifo(metas[2])
+    metas[3].unlink()
+    quick, full = load_trace(tmp_path, tail=64), load_trace(tmp_path)
+    assert quick.groups == full.groups and groups[0].gid in quick.groups
+    got = codes(quick)
+    assert got == codes(full) and "not a regular file" in got["meta"] and "[3]" in got["missing-meta"]
+    assert quick.meta == full.meta and quick.meta[1] and not quick.meta[2] and not quick.meta[3]
+
+
+def test_read_files_gives_each_small_file_or_leaves_it_to_the_caller(tmp_path: Path) -> None:
+    """``ring_io.read_files``: the bytes of regular files within the limit; None (the caller reads it its own way,
+    which says why) for a link, a FIFO, a directory, a missing file and one over the limit."""
+    import os
+
+    from megatrace.trace import ring_io
+
+    if ring_io._read_files is None:
+        pytest.skip("C extension not built (no compiler at install)")
+    small, empty, big = tmp_path / "small", tmp_path / "empty", tmp_path / "big"
+    small.write_bytes(b'{"kind": "group"}\n' * 3)
+    empty.write_bytes(b"")
+    big.write_bytes(b"x" * 101)
+    (tmp_path / "exact").write_bytes(b"y" * 100)
+    link, fifo = tmp_path / "link", tmp_path / "fifo"
+    link.symlink_to(small)
+    os.mkfifo(fifo)
+    paths = [small, empty, tmp_path / "exact", big, link, fifo, tmp_path, tmp_path / "missing"]
+    got = ring_io.read_files(paths, 100)
+    assert got[:3] == [small.read_bytes(), b"", b"y" * 100] and got[3:] == [None] * 5
+    assert ring_io.read_files([], 100) == []

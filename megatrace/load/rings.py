@@ -17,14 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrace.files import open_input, read_fd, read_input
+from megatrace.files import read_input
 from megatrace.load.discovery import RING_RE
 from megatrace.load.prefault import populate_in_background
 from megatrace.load.traceset import (COLUMNS, LoadProblem, RankInfo, Records, TraceSet, name_list, plural, rank_list,
                                      rank_spans)
 from megatrace.trace import ring_format as fmt
 from megatrace.trace.ring_reader import (META_LIMIT, RECORD_DTYPE, ReadProblem, RingFormatError, RingHeader,
-                                         RingSnapshot, open_budget, read_meta, read_ring, read_tails)
+                                         RingSnapshot, read_meta, read_ring, read_tails)
+from megatrace.trace.ring_io import read_files
 from megatrace.trace.ring_records import NARROWABLE, native_split, split_records
 from megatrace.trace.tail_pack import PackedFile
 
@@ -270,48 +271,29 @@ def _read_batch(batch: list[Path], tail: int,
                 pack: Mapping[str, PackedFile] | None = None) -> tuple[list, list[bytes | None], list[str]]:
     """The tails of ``batch`` (``read_tails``), the bytes of their meta files and those files' paths.
 
-    The meta files are opened first and the kernel told they will be read (files not in the page
-    cache are then read ahead together, while the rings are read), by the rank in their name;
-    the rank in the ring header decides which file is read. What the tails ``pack`` holds is taken
-    from it, not read.
+    The rank in the ring header decides which meta file is read (the one named by the ring's rank, usually); the
+    meta files are read together in one pass of C (``ring_io.read_files``), a file that pass leaves through
+    ``files.open_input``. What the tails ``pack`` holds is taken from it, not read.
     """
-    early: dict[str, int] = {}
     named = [RING_RE.match(path.name) for path in batch]
-    ranks = [int(m.group(1)) if m else -1 for m in named]
-    guesses = [_meta_path_str(rank, path) for rank, path in zip(ranks, batch, strict=True)]
-    try:
-        for guess in guesses[:open_budget()]:
-            if pack is not None and os.path.basename(guess) in pack:
-                continue
+    snaps = read_tails(batch, tail, pack=pack)
+    meta_paths: list[str] = []
+    for path, got, m in zip(batch, snaps, named, strict=True):
+        rank = int(m.group(1)) if m else -1
+        if isinstance(got, RingSnapshot) and got.header.rank != rank:
+            rank = got.header.rank
+        meta_paths.append(_meta_path_str(rank, path))
+    metas: list[bytes | None] = [_packed_meta(pack, meta) if isinstance(got, RingSnapshot) else None
+                                 for got, meta in zip(snaps, meta_paths, strict=True)]
+    wanted = [k for k, got in enumerate(snaps) if isinstance(got, RingSnapshot) and metas[k] is None]
+    for k, data in zip(wanted, read_files([meta_paths[k] for k in wanted], META_LIMIT), strict=True):
+        if data is None:
             try:
-                early[guess] = open_input(guess)
+                data = _read_file(meta_paths[k])
             except OSError:
-                continue
-            if _FADVISE:
-                os.posix_fadvise(early[guess], 0, 0, os.POSIX_FADV_WILLNEED)
-        snaps = read_tails(batch, tail, pack=pack)
-        metas: list[bytes | None] = []
-        meta_paths: list[str] = []
-        for path, got, rank, guess in zip(batch, snaps, ranks, guesses, strict=True):
-            data = None
-            meta = guess
-            if isinstance(got, RingSnapshot):
-                meta = guess if got.header.rank == rank else _meta_path_str(got.header.rank, path)
-                try:
-                    data = _packed_meta(pack, meta)
-                    if data is None:
-                        data = _read_fd(early[meta]) if meta in early else _read_file(meta)
-                except OSError:
-                    pass  # read_meta says why, later
-            metas.append(data)
-            meta_paths.append(meta)
-    finally:
-        for fd in early.values():
-            os.close(fd)
+                pass  # read_meta says why, later
+        metas[k] = data
     return snaps, metas, meta_paths
-
-
-_FADVISE = hasattr(os, "posix_fadvise")
 
 
 def read_tail_columns(files: list[Path], tail: int, unreadable: list[str],
@@ -390,10 +372,6 @@ def _read_metas(paths: list[str], data: list[bytes | None]) -> list[tuple[list[d
 def _read_file(path: str) -> bytes:
     """A meta file's bytes (``os.read`` on a descriptor: half the cost of ``open().read()``)."""
     return read_input(path, META_LIMIT)
-
-
-def _read_fd(fd: int) -> bytes:
-    return read_fd(fd, META_LIMIT)
 
 
 def _json_or_none(line: bytes) -> object:

@@ -16,9 +16,10 @@ from megatrace.trace import ring_format as fmt
 
 try:
     from megatrace.trace._ringfast import open_heads as _open_heads  # type: ignore[import-not-found]
+    from megatrace.trace._ringfast import read_files as _read_files  # type: ignore[import-not-found]
     from megatrace.trace._ringfast import read_runs as _read_runs  # type: ignore[import-not-found]
 except ImportError:  # not built: each file is opened and read on its own (the caller's way), runs by os.preadv
-    _open_heads = _read_runs = None
+    _open_heads = _read_files = _read_runs = None
 
 COUNTER_LIMIT = 1 << 62  # a write counter beyond this is garbage: it cannot say where the tail is
 _FADVISE = hasattr(os, "posix_fadvise")
@@ -134,3 +135,13 @@ def read_runs(fds: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
         except OSError as exc:
             out.append(exc.errno or errno.EIO)
     return out
+
+
+def read_files(paths: Sequence[str | os.PathLike[str]], limit: int) -> list[bytes | None]:
+    """The bytes of each of ``paths`` (small files: a rank's meta file), all opened (``files.INPUT_FLAGS``) and
+    asked for before any is read; in one pass of C. None for a file the caller must read its own way, which says
+    what is wrong: one that could not be opened, is not a regular file or holds more than ``limit`` bytes, and
+    every file where the extension is not built."""
+    if _read_files is None or not paths:
+        return [None] * len(paths)
+    return [got if isinstance(got, bytes) else None for got in _read_files(paths, INPUT_FLAGS, limit)]

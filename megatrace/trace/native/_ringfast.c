@@ -689,6 +689,128 @@ done:
 }
 
 /*
+ * The loader's reads of many small files (ring_io.read_files): open each (the caller's flags) and ask the kernel
+ * for it, then read each whole; a list with the bytes of each file, or for a file to be read the caller's way an
+ * int: its errno (open failed), EINVAL (not a regular file) or EFBIG (more than `limit` bytes).
+ */
+static PyObject *read_files(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq, *out = NULL, **paths = NULL;
+    long long flags, limit;
+    Py_ssize_t n, k = 0;
+    int *fds = NULL, *errs = NULL;
+    char **bufs = NULL;
+    Py_ssize_t *lens = NULL;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "read_files(paths, flags, limit)");
+        return NULL;
+    }
+    if (arg_int(args, 1, INT_MIN, INT_MAX, &flags) < 0 || arg_int(args, 2, 0, (long long)1 << 40, &limit) < 0)
+        return NULL;
+    seq = PySequence_Fast(args[0], "paths must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    paths = PyMem_Calloc(n ? n : 1, sizeof *paths);
+    fds = PyMem_Calloc(n ? n : 1, sizeof *fds);
+    errs = PyMem_Calloc(n ? n : 1, sizeof *errs);
+    bufs = PyMem_Calloc(n ? n : 1, sizeof *bufs);
+    lens = PyMem_Calloc(n ? n : 1, sizeof *lens);
+    if (paths == NULL || fds == NULL || errs == NULL || bufs == NULL || lens == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; k < n; k++)
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, k), &paths[k]))
+            goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        struct stat st;
+        int fd;
+        do
+            fd = open(PyBytes_AS_STRING(paths[i]), (int)flags);
+        while (fd < 0 && errno == EINTR);
+        fds[i] = fd;
+        if (fd < 0) {
+            errs[i] = errno;
+            continue;
+        }
+        if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+            errs[i] = EINVAL;
+            close(fd);
+            fds[i] = -1;
+            continue;
+        }
+        lens[i] = (Py_ssize_t)st.st_size; /* (a guess: the file may grow while it is read) */
+#ifdef POSIX_FADV_WILLNEED
+        (void)posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
+#endif
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t cap, got = 0;
+        if (fds[i] < 0)
+            continue;
+        cap = (size_t)(lens[i] < limit ? lens[i] : limit) + 1; /* one byte past the limit tells a larger file */
+        bufs[i] = malloc(cap);
+        if (bufs[i] == NULL)
+            errs[i] = ENOMEM;
+        while (bufs[i] != NULL && !errs[i]) {
+            ssize_t r;
+            if (got == cap) {
+                char *grown;
+                if (cap > (size_t)limit) {
+                    errs[i] = EFBIG;
+                    break;
+                }
+                cap = cap * 2 > (size_t)limit + 1 ? (size_t)limit + 1 : cap * 2;
+                grown = realloc(bufs[i], cap);
+                if (grown == NULL) {
+                    errs[i] = ENOMEM;
+                    break;
+                }
+                bufs[i] = grown;
+            }
+            r = read(fds[i], bufs[i] + got, cap - got);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r < 0)
+                errs[i] = errno;
+            else if (r == 0)
+                break;
+            else
+                got += (size_t)r;
+        }
+        if (!errs[i] && got > (size_t)limit)
+            errs[i] = EFBIG;
+        lens[i] = (Py_ssize_t)got;
+        close(fds[i]);
+        fds[i] = -1;
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *item = errs[i] ? PyLong_FromLong(errs[i]) : PyBytes_FromStringAndSize(bufs[i], lens[i]);
+        if (item == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, item);
+    }
+done:
+    for (Py_ssize_t j = 0; j < k; j++)
+        Py_DECREF(paths[j]);
+    if (bufs != NULL)
+        for (Py_ssize_t j = 0; j < n; j++)
+            free(bufs[j]);
+    PyMem_Free(paths);
+    PyMem_Free(fds);
+    PyMem_Free(errs);
+    PyMem_Free(bufs);
+    PyMem_Free(lens);
+    Py_DECREF(seq);
+    return out;
+}
+
+/*
  * The loader's hot path: whole records into columns (load/rings.py, RecordColumns). Rows at..at+n of each
  * column get the fields of the n records of `raw`, in the order of SPLIT_COLUMNS; seq, group_seq and nbytes
  * may be 4-byte columns (the others have their field's size). Returns the columns among those three that a
@@ -796,6 +918,9 @@ static PyMethodDef module_methods[] = {
      "files and read their headers (ring_io.open_heads)."},
     {"read_runs", (PyCFunction)(void (*)(void))read_runs, METH_FASTCALL,
      "read_runs(fds, offsets, lengths, dest, at, errs): runs of bytes of open files into dest (ring_io.read_runs)."},
+    {"read_files", (PyCFunction)(void (*)(void))read_files, METH_FASTCALL,
+     "read_files(paths, flags, limit): the bytes of each file, or an int for one to be read the caller's way "
+     "(ring_io.read_files)."},
     {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL,
      "split_records(raw, at, seq, group_seq, t_enqueue, t_complete, nbytes, group_id, peer, op, dtype, flags, "
      "state): the fields of raw's records into rows at.. of the columns; the bits of the 4-byte columns among "
