@@ -177,12 +177,12 @@ def _say_hang_first(result: AnalysisResult, out: Path, target: str) -> None:
     top = result.verdict
     if top is None or top.severity != Severity.CRITICAL:
         return
-    try:
-        written = f"; its findings: {result.write_json(target)}"
+    click.echo(f"hang verdict from the quick pass, {result.timings.get('total', 0.0):.1f} s; the full analysis "
+               "follows:\n" + render_verdict(result), err=True)
+    try:  # (written after the verdict is shown: 0.1 to 0.2 s at thousands of ranks)
+        click.echo(f"the quick pass's findings: {result.write_json(target)}\n", err=True)
     except OSError:
-        written = ""  # (the full analysis reports a findings file it cannot write)
-    click.echo(f"hang verdict from the quick pass, {result.timings.get('total', 0.0):.1f} s{written}; the full "
-               "analysis follows:\n" + render_verdict(result) + "\n", err=True)
+        click.echo("", err=True)  # (the full analysis reports a findings file it cannot write)
 
 
 def _job_output_files(job_id: str, given_dir: bool) -> list[Path]:
