@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers.analysis_factory import TraceBuilder
 
 from megatrace.analyze.engine import LayoutSpec, analyze
@@ -216,3 +218,14 @@ def test_a_job_whose_only_group_is_the_world_is_data_parallel_unless_it_sends(tm
         assert doc["parallel"]["dp"]["value"] == 4 and doc["parallel"]["tp"]["value"] == 1
         assert "only the world group" in doc["parallel"]["dp"]["source"]
         assert result.results["iterations"].method == "dp-sync"
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(st.sampled_from(["node", "local_rank", "gpu", 'odd "key" é']),
+                       st.one_of(st.text(), st.integers(-2**70, 2**70), st.none(), st.booleans(),
+                                 st.floats(allow_nan=False), st.lists(st.integers(), max_size=2))))
+def test_a_rank_line_of_job_yaml_is_json_dumps_of_its_row(row: dict) -> None:
+    """job.yaml's rank table: each row built directly (strings, ints, None) is exactly ``json.dumps``' text."""
+    from megatrace.analyze.jobconfig.jobfile import _rank_line
+
+    assert _rank_line(row) == json.dumps(row, ensure_ascii=False)
