@@ -180,3 +180,25 @@ def test_no_early_verdict_without_a_hang_with_quick_or_below_the_scale(
     assert result.exit_code == 0, result.output
     assert "quick pass" not in result.output
     assert result.stdout.startswith("VERDICT [critical]" if case != "healthy" else "VERDICT [info]")
+
+
+@pytest.mark.parametrize("fail_on", [None, "warning"])
+def test_the_analyze_process_leaves_without_teardown_its_output_whole(tmp_path: Path, fail_on: str | None) -> None:
+    """Run as the process's entry, ``megatrace analyze`` leaves with os._exit once everything is written (no
+    atexit handler runs), with its exit status and all its output; another command tears down as usual."""
+    import subprocess
+    import sys
+
+    trace = hung(tmp_path)
+    script = ("import atexit, sys; atexit.register(lambda: print('TORN DOWN', file=sys.stderr)); "
+              "from megatrace.cli import main; sys.argv = ['megatrace'] + sys.argv[1:]; main()")
+    args = ["analyze", str(trace), "--no-report", "-o", str(tmp_path / "out")] + (["--fail-on", fail_on] if fail_on
+                                                                                   else [])
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == (3 if fail_on else 0), run.stderr
+    assert run.stdout.startswith("VERDICT [critical]") and "TORN DOWN" not in run.stderr
+    assert f"findings: {tmp_path / 'out' / 'findings.json'}" in run.stderr
+    assert json.loads((tmp_path / "out" / "findings.json").read_text())["verdict"] in run.stdout
+    other = subprocess.run([sys.executable, "-c", script, "analyze", str(tmp_path / "missing")], capture_output=True,
+                           text=True, timeout=300)
+    assert other.returncode == 1 and "TORN DOWN" in other.stderr  # (an error: the usual way out)

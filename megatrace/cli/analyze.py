@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError, skip_teardown
 from megatrace.names import SEVERITIES, job_dir_name
 
 if TYPE_CHECKING:
@@ -146,6 +146,7 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
         raise CommandError(f"cannot write {target}: {exc.strerror}") from None
     if not no_report:
         click.echo(f"report: {_write_report(target)[0]}", err=True)
+    skip_teardown()  # (everything is written and closed: the process need not free the analysis object by object)
     if fail_on and result.at_least(Severity.parse(fail_on)):
         raise click.exceptions.Exit(3)
 
