@@ -29,9 +29,6 @@ import numpy as np
 from megatrace.config import Layout
 from megatrace.load import probe as process_probe
 from megatrace.load.discovery import foreign_owner, marker_files, read_header, ring_files, select_rings
-from megatrace.load.importers import detect_format, import_trace, not_a_trace
-from megatrace.load.importers.job_log import load_job_log, merge_job_logs
-from megatrace.load.importers.sniff import looks_like_nccl_ras
 from megatrace.load.markers import read_markers, rendezvous_facts
 from megatrace.load.rings import RecordColumns, TailColumns, Tally, load_all, load_tails, read_tail_columns
 from megatrace.load.side_files import merge_groups, node_facts, resolve_layout
@@ -64,6 +61,8 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
     output; beside rings they speak for the ranks that left none (:func:`~.importers.job_log.merge_job_logs`).
     """
     logs = [Path(p) for p in job_logs]
+    if logs:  # (the importers are imported only for another tool's files: a ring trace's load does without them)
+        from megatrace.load.importers.job_log import load_job_log, merge_job_logs
     if logs and _one_job_log(Path(directory), format):  # the job's output in several files (StdOut, StdErr)
         return load_job_log(Path(directory), layout, more=logs)
     trace = _load_path(Path(directory), layout, tail, format)
@@ -74,6 +73,8 @@ def load_trace(directory: str | Path, layout: Layout | None = None, tail: int | 
 
 def _one_job_log(path: Path, format: str) -> bool:  # noqa: A002 - load_trace's format
     """Whether ``path`` is read as a job output log (one file, not an NCCL RAS report)."""
+    from megatrace.load.importers.sniff import looks_like_nccl_ras
+
     if format not in ("auto", "job-log") or not path.is_file():
         return False
     return format == "job-log" or not looks_like_nccl_ras(path)
@@ -137,6 +138,9 @@ def _load_path(directory: Path, layout: Layout | None, tail: int | None, format:
 
 def _load_file(path: Path, layout: Layout | None, format: str) -> TraceSet:  # noqa: A002
     """A trace given as one file: an NCCL RAS report or a job's output log (else an error)."""
+    from megatrace.load.importers import import_trace
+    from megatrace.load.importers.sniff import looks_like_nccl_ras
+
     if not path.is_file():
         raise TraceLoadError(f"{path}: neither a directory nor a regular file (a FIFO, device or socket is "
                              f"never read)")
@@ -154,6 +158,8 @@ def _load_without_rings(directory: Path, where: Path, marker_names: list[str], l
                         format: str) -> TraceSet:  # noqa: A002
     """A directory without ring files: start markers only, a foreign format, or an error saying what was looked
     for."""
+    from megatrace.load.importers import detect_format, import_trace, not_a_trace
+
     if marker_names:  # ranks in init_process_group and none past it: stuck before communication
         return _startup_trace(directory, where, marker_names, layout)
     if format != "rings":  # foreign formats: Flight Recorder, NCCL logs, Inspector (docs/importers.md)
