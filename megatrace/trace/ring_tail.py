@@ -159,14 +159,13 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
     todo = [i for i in which
             if not (pack and _from_pack(pack, paths[i], i, last, raw, out, heads, first, rows, caps, sizes))]
     opened = open_heads([paths[i] for i in todo], HEADER_USED, LIVE_WORDS, LIVE_TRIES)
-    fds: dict[int, int] = {}
+    fds = {i: fd for i, fd in zip(todo, opened.fds.tolist(), strict=True) if fd >= 0}  # (all closed below)
     runs: list[tuple[int, int, int, int]] = []  # (file, offset, bytes, where in raw)
     try:
         for k, i in enumerate(todo):
-            fd = int(opened.fds[k])
             try:
-                if fd >= 0:
-                    fds[i], sizes[i] = fd, int(opened.sizes[k])
+                if i in fds:
+                    sizes[i] = int(opened.sizes[k])
                     blob = opened.head(k)
                 else:
                     fds[i] = fd = open_input(paths[i])
