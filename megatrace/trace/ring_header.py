@@ -134,15 +134,25 @@ def parse_header(path: str, blob: bytes, file_size: int | None = None) -> tuple[
     if not 1 <= world_size <= fmt.MAX_WORLD_SIZE:
         # Sized tables (missing ranks, per-rank columns) follow the world size: never trust a huge one.
         raise RingFormatError(f"{path}: offset 32: world size {world_size} is outside 1..{fmt.MAX_WORLD_SIZE}")
-    counter = fmt.WRITE_COUNTER.unpack_from(blob, fmt.WRITE_COUNTER_OFFSET)[0]
-    state = fmt.WRITER_STATE.unpack_from(blob, fmt.WRITER_STATE_OFFSET)[0]
-    beat, pulse, sig, sig_ns = (_field(blob, f, off) for f, off in (
-        (fmt.HEARTBEAT, fmt.HEARTBEAT_OFFSET), (fmt.PULSE, fmt.PULSE_OFFSET), (fmt.SIGNAL, fmt.SIGNAL_OFFSET),
-        (fmt.SIGNAL_NS, fmt.SIGNAL_NS_OFFSET)))
+    if len(blob) >= HEADER_USED:  # (the usual blob: every live word in one unpack)
+        counter, state, beat, pulse, sig_ns, sig = _LIVE_FIELDS.unpack_from(blob, fmt.WRITE_COUNTER_OFFSET)
+    else:
+        counter = fmt.WRITE_COUNTER.unpack_from(blob, fmt.WRITE_COUNTER_OFFSET)[0]
+        state = fmt.WRITER_STATE.unpack_from(blob, fmt.WRITER_STATE_OFFSET)[0]
+        beat, pulse, sig, sig_ns = (_field(blob, f, off) for f, off in (
+            (fmt.HEARTBEAT, fmt.HEARTBEAT_OFFSET), (fmt.PULSE, fmt.PULSE_OFFSET), (fmt.SIGNAL, fmt.SIGNAL_OFFSET),
+            (fmt.SIGNAL_NS, fmt.SIGNAL_NS_OFFSET)))
     header = RingHeader(path, version, capacity, rank, local_rank, world_size, pid, wall, mono,
                         _decode(job), _decode(step), _decode(host), counter, state, beat, pulse,
                         sig, sig_ns if sig else 0)
     return header, problems
+
+
+# counter, writer state, heartbeat, pulse, signal time, signal: the live words at their offsets (checked below)
+_LIVE_FIELDS = struct.Struct("<QI4xQQQI")
+assert [fmt.WRITE_COUNTER_OFFSET + struct.calcsize(_LIVE_FIELDS.format[:k]) for k in (1, 2, 5, 6, 7, 8)] == [
+    fmt.WRITE_COUNTER_OFFSET, fmt.WRITER_STATE_OFFSET, fmt.HEARTBEAT_OFFSET, fmt.PULSE_OFFSET, fmt.SIGNAL_NS_OFFSET,
+    fmt.SIGNAL_OFFSET] and fmt.WRITE_COUNTER_OFFSET + _LIVE_FIELDS.size == HEADER_USED
 
 
 def _field(blob: bytes, layout: struct.Struct, offset: int) -> int:
