@@ -184,14 +184,15 @@ def test_no_early_verdict_without_a_hang_with_quick_or_below_the_scale(
 
 @pytest.mark.parametrize("fail_on", [None, "warning"])
 def test_the_analyze_process_leaves_without_teardown_its_output_whole(tmp_path: Path, fail_on: str | None) -> None:
-    """Run as the process's entry, ``megatrace analyze`` leaves with os._exit once everything is written (no
-    atexit handler runs), with its exit status and all its output; another command tears down as usual."""
+    """Run as the process (``entry``: the console script, ``python -m megatrace.cli``), ``megatrace analyze`` leaves
+    with os._exit once everything is written (no atexit handler runs), with its exit status and all its output; an
+    error leaves the usual way; and a program that calls ``main(...)`` itself goes on after the command."""
     import subprocess
     import sys
 
     trace = hung(tmp_path)
-    script = ("import atexit, sys; atexit.register(lambda: print('TORN DOWN', file=sys.stderr)); "
-              "from megatrace.cli import main; sys.argv = ['megatrace'] + sys.argv[1:]; main()")
+    torn = "import atexit, sys; atexit.register(lambda: print('TORN DOWN', file=sys.stderr)); "
+    script = torn + "from megatrace.cli import entry; sys.argv = ['megatrace'] + sys.argv[1:]; entry()"
     args = ["analyze", str(trace), "--no-report", "-o", str(tmp_path / "out")] + (["--fail-on", fail_on] if fail_on
                                                                                    else [])
     run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
@@ -202,3 +203,8 @@ def test_the_analyze_process_leaves_without_teardown_its_output_whole(tmp_path: 
     other = subprocess.run([sys.executable, "-c", script, "analyze", str(tmp_path / "missing")], capture_output=True,
                            text=True, timeout=300)
     assert other.returncode == 1 and "TORN DOWN" in other.stderr  # (an error: the usual way out)
+    caller = torn + ("from megatrace.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+                     "    print('STILL HERE', e.code)")
+    inside = subprocess.run([sys.executable, "-c", caller, *args], capture_output=True, text=True, timeout=300)
+    assert inside.returncode == 0 and f"STILL HERE {3 if fail_on else 0}" in inside.stdout, inside.stderr
+    assert "TORN DOWN" in inside.stderr

@@ -18,7 +18,7 @@ from megatrace.cli import analyze, collect, fleet, lab, run, simulate
 from megatrace.cli.analyze import TRACE_FORMATS
 from megatrace.cli.check import check_main
 from megatrace.cli.sections import SectionedGroup
-from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError, leave_if_done
 
 
 @click.group(cls=SectionedGroup, context_settings=CONTEXT_SETTINGS, epilog="""\b
@@ -40,4 +40,15 @@ for _command in (run.run, run.demo, analyze.analyze, analyze.export, analyze.rep
                  collect.collect, collect.agent, collect.job_end, fleet.health, fleet.nodes, lab.lab):
     main.add_command(_command)
 
-__all__ = ["CONTEXT_SETTINGS", "TRACE_FORMATS", "CommandError", "check_main", "main"]
+
+def entry() -> None:
+    """The ``megatrace`` process (its console script, ``python -m megatrace.cli``): :func:`main`, leaving without
+    the interpreter's teardown when the command asked for it (:func:`~megatrace.cli.settings.skip_teardown`)."""
+    try:
+        main()
+    except SystemExit as exc:
+        leave_if_done(exc)
+        raise
+
+
+__all__ = ["CONTEXT_SETTINGS", "TRACE_FORMATS", "CommandError", "check_main", "entry", "main"]

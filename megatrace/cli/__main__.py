@@ -1,5 +1,5 @@
 """``python -m megatrace.cli``: the ``megatrace`` command (the collector, agent and epilog start it this way)."""
 
-from megatrace.cli import main
+from megatrace.cli import entry
 
-main()
+entry()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import click
 
-from megatrace.cli.settings import FastExitGroup
-
 # Section title -> the commands listed under it, in the order of the help.
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Tracing and analysis": ("run", "demo", "analyze", "export", "report", "simulate"),
@@ -20,7 +18,7 @@ def section_of(name: str) -> str:
     return next((title for title, names in SECTIONS.items() if name in names), OTHER)
 
 
-class SectionedGroup(FastExitGroup):
+class SectionedGroup(click.Group):
     """A click group whose help lists its commands in the sections of :data:`SECTIONS`."""
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

@@ -20,30 +20,26 @@ _NO_TEARDOWN: list[bool] = []  # set by a command whose work is written and clos
 
 
 def skip_teardown() -> None:
-    """Say that this command has written and closed everything: a process started as ``megatrace`` then leaves
-    without tearing the interpreter down (freeing a large analysis object by object: 50 ms at 4,096 ranks, a
-    twentieth of a quick analysis). Only the process's own entry (:meth:`FastExitGroup.__call__`) acts on it; a
-    caller of ``main.main()`` (click's test runner, another program) is left alone."""
+    """Say that this command has written and closed everything: the ``megatrace`` process then leaves without
+    tearing the interpreter down (freeing a large analysis object by object: 50 ms at 4,096 ranks, a twentieth of a
+    quick analysis). Only the process entry (:func:`megatrace.cli.entry`: the console script, ``python -m
+    megatrace.cli``) acts on it; a program that calls ``main(...)`` itself (a test, the collector) goes on."""
     _NO_TEARDOWN.append(True)
 
 
-class FastExitGroup(click.Group):
-    """A click group that, run as the process's entry point, leaves with ``os._exit`` once a command called
-    :func:`skip_teardown` (output flushed first; atexit handlers and the interpreter's teardown are skipped)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+def leave_if_done(exc: SystemExit) -> None:
+    """At the process entry, the command's exit ``exc``: when the command called :func:`skip_teardown`, flush the
+    output and ``os._exit`` with its status (atexit handlers and the interpreter's teardown skipped); else return
+    (the caller re-raises)."""
+    if not _NO_TEARDOWN:
+        return
+    code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    for stream in (sys.stdout, sys.stderr):
         try:
-            return self.main(*args, **kwargs)
-        except SystemExit as exc:
-            if not _NO_TEARDOWN:
-                raise
-            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    code = code or 1  # (output lost: say so by the exit status, as the interpreter would)
-            os._exit(code)
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or 1  # (output lost: say so by the exit status, as the interpreter would)
+    os._exit(code)
 
 
 class CommandError(MegatraceError, click.ClickException):
