@@ -262,7 +262,9 @@ def arrival_lags(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iteration
         long_ns = max(MIN_EXCESS_NS, int(WHOLE_TRACE_LONG_LAG * float(np.median(lag))))
     out: dict[int, tuple[int, int, int, int, int, int]] = {}
     world = trace.world_size
-    entered = np.bincount(trace.records.rank[rows], minlength=world)
+    entered = np.zeros(world, np.int64)
+    for sl in chunks(len(rows)):  # (bincount takes int64: the member rows' ranks at once were 12 bytes a row)
+        entered += np.bincount(trace.records.rank[rows[sl]], minlength=world)
     caused = np.bincount(who, weights=lag, minlength=world)
     owned = np.bincount(who, weights=own, minlength=world)
     times = np.bincount(who, minlength=world)
