@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers.analysis_factory import TraceBuilder
 from helpers.memory import PEAK_KIB
 
@@ -153,6 +155,32 @@ def test_group_members_that_disagree_across_ranks_are_reported(tmp_path: Path) -
     trace = load_trace(tmp_path)
     assert "the members of 1 group disagree across ranks" in codes(trace)["group-disagreement"]
     assert trace.groups[groups[0].gid].ranks == (0, 1)  # a tie: the lowest reporting rank wins
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_merging_group_lines_does_not_depend_on_ranks_sharing_parsed_lines(data: st.DataObject) -> None:
+    """Ranks that wrote the same line share one parsed entry (the load's way) or each hold a copy: the same groups
+    (majority members, first line's name, ties to the lowest reporting rank), the same problems, in the same
+    order; and the shared entries are left as they were."""
+    import copy
+
+    from megatrace.load.side_files import merge_groups
+
+    lines = [{"kind": "group", "gid": g, "name": f"g{g}-{v}", "desc": "tp", "ranks": members}
+             for g in range(3) for v, members in enumerate(([0, 1], [0, 1, 2], [1, 2]))]
+    lines += [{"kind": "group", "gid": 7, "ranks": "no"}, {"kind": "group", "gid": "x"}, {"kind": "rank", "rank": 0}]
+    metas = {r: [lines[i] for i in data.draw(st.lists(st.integers(0, len(lines) - 1), max_size=6))]
+             for r in data.draw(st.lists(st.integers(0, 9), unique=True, max_size=8))}
+    before = copy.deepcopy(metas)
+    used = {5: {0, 3}}
+    shared_problems: list = []
+    shared = merge_groups(metas, used, shared_problems)
+    own_problems: list = []
+    own = merge_groups(copy.deepcopy(metas), used, own_problems)
+    assert shared == own and list(shared) == list(own)
+    assert [str(p) for p in shared_problems] == [str(p) for p in own_problems]
+    assert metas == before
 
 
 def test_groups_without_meta_are_inferred_from_their_users(tmp_path: Path) -> None:

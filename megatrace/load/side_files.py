@@ -34,31 +34,41 @@ def merge_groups(metas: dict[int, list[dict]], used: dict[int, set[int]],
     seen_lists: dict[tuple, tuple[int, ...] | None] = {}
     canonical: dict[tuple[int, ...], tuple[int, ...]] = {}
     by_id: dict[int, tuple[object, tuple[int, ...] | None]] = {}  # parsed lists shared by several entries
+    # Ranks that wrote the same line share one entry (load/rings.py): each distinct entry is looked at once, with
+    # the ranks that hold it, in the order entries first appear (so versions and first lines come out as if
+    # every rank's entries were walked one by one).
+    holders: dict[int, tuple[dict, list[int]]] = {}
     for rank, entries in metas.items():
         for e in entries:
-            if e.get("kind") != "group" or not isinstance(e.get("gid"), int):
-                continue
-            listed = e.get("ranks") or ()
-            known = by_id.get(id(listed))
-            if known is not None and known[0] is listed:
-                members = known[1]
+            held = holders.get(id(e))
+            if held is None:
+                holders[id(e)] = (e, [rank])
             else:
-                try:
-                    raw = tuple(listed)
-                    members = seen_lists[raw] if raw in seen_lists else seen_lists.setdefault(raw, _members(raw))
-                except TypeError:  # unhashable members: convert (and fail) the slow way
-                    members = _members(listed)
-                if members is not None:
-                    members = canonical.setdefault(members, members)
-                by_id[id(listed)] = (listed, members)
-            if members is None:
-                continue
-            slot = by_members.setdefault(e["gid"], {})
-            if id(members) in slot:
-                slot[id(members)][1].append(rank)
-            else:
-                slot[id(members)] = (members, [rank])
-            first.setdefault(e["gid"], e)
+                held[1].append(rank)
+    for e, ranks in holders.values():
+        if e.get("kind") != "group" or not isinstance(e.get("gid"), int):
+            continue
+        listed = e.get("ranks") or ()
+        known = by_id.get(id(listed))
+        if known is not None and known[0] is listed:
+            members = known[1]
+        else:
+            try:
+                raw = tuple(listed)
+                members = seen_lists[raw] if raw in seen_lists else seen_lists.setdefault(raw, _members(raw))
+            except TypeError:  # unhashable members: convert (and fail) the slow way
+                members = _members(listed)
+            if members is not None:
+                members = canonical.setdefault(members, members)
+            by_id[id(listed)] = (listed, members)
+        if members is None:
+            continue
+        slot = by_members.setdefault(e["gid"], {})
+        if id(members) in slot:
+            slot[id(members)][1].extend(ranks)
+        else:
+            slot[id(members)] = (members, ranks)
+        first.setdefault(e["gid"], e)
     versions = {gid: dict(slot.values()) for gid, slot in by_members.items()}
     groups: dict[int, GroupInfo] = {}
     disagree: list[str] = []
