@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatrace.collect import safefs
+from megatrace.collect import mpi_segments, safefs
 from megatrace.collect.bundle import GATHER_MARK, LOCAL_MARK, Analyse, BundleWriter, bundle_path, place_files
 from megatrace.collect.gather import DEFAULT_GROUP_SIZE, DEFAULT_TIMEOUT_S, gather, release
 from megatrace.collect.node import NodeSnapshot, default_ring_dir, snapshot_node
@@ -130,17 +130,20 @@ def _add_layout(writer: BundleWriter, opts: CollectOptions) -> None:
         writer.problems.append(f"layout {opts.layout} not copied: {exc.strerror or exc}")
 
 
-def _import_mpi() -> Any:
+def _import_mpi() -> tuple[Any, list[str]]:
+    """mpi4py's MPI, started (its import runs ``MPI_Init``), and what was done to MPICH's start-up segments around
+    that (``collect/mpi_segments.py``: a stale one of this job step removed first, ours unlinked once attached)."""
     try:
         import mpi4py
 
         mpi4py.rc.finalize = False  # never wait in MPI_Finalize for a dead peer: we leave with os._exit
         mpi4py.rc.threads = False
+        notes = mpi_segments.clear_stale()
         from mpi4py import MPI
     except ImportError as exc:
         raise CollectError(f"mpi4py is not importable ({exc}); install the 'mpi' extra "
                            "(pip install 'megatrace[mpi]') or use --local") from None
-    return MPI
+    return MPI, notes + mpi_segments.unlink_attached()
 
 
 class _BundleReceiver:
@@ -191,7 +194,9 @@ def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
     :func:`exit_now` (a peer is dead or silent: MPI_Finalize would never return).
     """
     start = time.monotonic()
-    MPI = _import_mpi()
+    MPI, segment_notes = _import_mpi()
+    for note in segment_notes:
+        _say(opts, f"collect: {note}")
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     job_id = opts.resolved_job_id()
@@ -213,6 +218,8 @@ def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
             snap = _snapshot(opts)
         except Exception as exc:  # a node that cannot snapshot still reports why
             snap = NodeSnapshot(node, {}, {"node": node}, f"snapshot failed: {type(exc).__name__}: {exc}")
+        if segment_notes:
+            snap.facts["mpi_segments"] = segment_notes
         with snap:  # (its files are open until every byte is written or sent)
             placed, why = _place(snap, word, opts)
             head = header_of(snap, placed)
