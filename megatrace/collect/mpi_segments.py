@@ -24,6 +24,8 @@ import re
 import stat
 from collections.abc import Mapping
 
+from megatrace.files import open_dir
+
 SHM_DIR = "/dev/shm"
 SEGMENT_RE = re.compile(r"mpich_(?:shm|vci)_[0-9a-f]+_\d+")
 _ONE_PER_NODE_RE = re.compile(r"1(\(x\d+\))?(,1(\(x\d+\))?)*")
@@ -79,8 +81,8 @@ def _remove(shm_dir: str, names: tuple[str, ...] | list[str], why: str) -> list[
     """Unlink each of ``names`` in ``shm_dir`` that is a regular file of this user; lines saying what was done."""
     done: list[str] = []
     try:
-        dfd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
+        dfd = open_dir(shm_dir)  # (no link of another user followed on the way)
+    except OSError:  # (UnsafePathError included)
         return done
     try:
         for name in names:
