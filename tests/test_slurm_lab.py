@@ -9,6 +9,7 @@ Without root (a developer machine) these tests skip, unless CI is set: then they
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import pwd
@@ -119,6 +120,9 @@ def test_a_traced_job_writes_every_tasks_ring_into_the_job_dir(lab, tmp_path):
     if _run([MEGATRACE, "agent", "--help"]).returncode == 0:
         logs = sorted(p.name for p in (tmp_path / f"megatrace-{job}").glob("agent-*.log"))
         assert logs == [f"agent-n{i}.log" for i in range(1, 5)], logs
+        first = (tmp_path / f"megatrace-{job}" / "agent-n1.log").read_text().splitlines()[0]
+        stamp = calendar.timegm(time.strptime(first.split(" ", 1)[0], "%Y-%m-%dT%H:%M:%SZ"))
+        assert abs(stamp - time.time()) < 600 and " agent n1: watching " in first, first  # (UTC time first)
     assert not list(Path("/dev/shm/megatrace").glob(f"job-{job}.*"))
     assert not list(Path("/run/megatrace").glob(f"agent-{job}.*"))
     assert not agents_of(job)
@@ -361,7 +365,8 @@ def user_dir(test_user):
     work = Path(tempfile.mkdtemp(prefix="megatrace-slurm-test-", dir="/tmp"))
     os.chown(work, test_user.pw_uid, test_user.pw_gid)
     yield work
-    shutil.rmtree(work, ignore_errors=True)
+    if not os.environ.get("MT_KEEP"):
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_a_users_job_dir_and_rings_belong_to_that_user(lab, test_user, user_dir):
@@ -710,6 +715,25 @@ def _last_activity_wall_s(ring: Path) -> float:
     return (h.anchor_wall_ns + (last - h.anchor_mono_ns)) / 1e9
 
 
+def _timeline(step_dir: Path, onset: float) -> str:
+    """What a late report's test prints: the agents' logs, the hang collector's run, the collection's times."""
+    bundle = step_dir.parent
+    parts = [f"onset {time.strftime('%H:%M:%S', time.gmtime(onset))}Z"]
+    for log in sorted(bundle.glob("agent-*.log")):
+        parts.append(f"== {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+    for run in sorted(bundle.glob(f".agents/{step_dir.name}/collect-*.json")):
+        doc = json.loads(run.read_text())
+        parts.append(f"== {run.name}: rc {doc.get('rc')} after {doc.get('seconds')} s {doc.get('error') or ''}\n"
+                     f"{str(doc.get('stderr'))[-3000:]}")
+    try:
+        doc = json.loads((step_dir / "collection.json").read_text())
+        parts.append("== collection.json: trigger {} from {:.1f} to {:.1f} s after the onset".format(
+            doc.get("trigger"), doc["started_wall_ns"] / 1e9 - onset, doc["finished_wall_ns"] / 1e9 - onset))
+    except (OSError, ValueError, KeyError) as exc:
+        parts.append(f"== collection.json: {exc}")
+    return "\n".join(parts)
+
+
 def _top_finding(step_dir: Path) -> dict:
     return json.loads((step_dir / "findings.json").read_text())["findings"][0]
 
@@ -758,7 +782,7 @@ def test_the_agents_catch_the_demo_hang_report_it_within_90_s_and_cancel_the_job
     assert top["subject"]["host"] == "n3"  # ranks 4 and 5 run on the third virtual node
     assert len(list((step / "rings").glob("rank-*.ring"))) == 8
     onset = _last_activity_wall_s(step / "rings" / "rank-00005.ring")
-    assert report.stat().st_mtime - onset <= 90, report.stat().st_mtime - onset
+    assert report.stat().st_mtime - onset <= 90, (report.stat().st_mtime - onset, _timeline(step, onset))
     # on-hang=cancel: cancelled, and why, in the job's output, its comment and sacct's state.
     info = job_info(job)
     assert info["JobState"] == "CANCELLED"
@@ -815,7 +839,8 @@ def test_the_readmes_srun_line_runs_in_the_lab_as_written(lab, test_user, user_d
     top = _top_finding(step)
     assert top["severity"] == "critical" and top["subject"]["rank"] == 4 and top["subject"]["host"] == "n3", top
     onset = _last_activity_wall_s(step / "rings" / "rank-00004.ring")
-    assert (step / "report.html").stat().st_mtime - onset <= 30 + 60
+    late = (step / "report.html").stat().st_mtime - onset
+    assert late <= 30 + 60, (late, _timeline(step, onset), text[-2000:])
 
 
 @pytest.mark.slow
@@ -835,7 +860,8 @@ srun -N4 -n8 --overcommit {PYTHON} -m megatrace.demo --tp 2 --pp 2 --dp 2 --step
     top = _top_finding(step)
     assert top["severity"] == "critical" and top["subject"]["rank"] == 4 and top["subject"]["host"] == "n3", top
     onset = _last_activity_wall_s(step / "rings" / "rank-00004.ring")
-    assert (step / "report.html").stat().st_mtime - onset <= 30 + 60
+    late = (step / "report.html").stat().st_mtime - onset
+    assert late <= 30 + 60, (late, _timeline(step, onset), output(tmp_path, job)[-2000:])
 
 
 STUCK_TRAINER = """

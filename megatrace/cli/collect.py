@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import click
 
@@ -257,9 +258,9 @@ def agent(ring_dir: str | None, steps_dir: str | None, steps_out: str | None, no
     try:
         if steps_dir:
             watcher = StepsAgent(cfg, os.path.abspath(steps_dir), os.path.abspath(steps_out or job_dir),
-                                 log=lambda msg: click.echo(msg, err=True))
+                                 log=_stamped)
         else:
-            watcher = Agent(cfg, log=lambda msg: click.echo(msg, err=True))
+            watcher = Agent(cfg, log=_stamped)
     except OSError as exc:
         raise CommandError(f"cannot use the state directory {state}: {exc.strerror or exc}") from None
     if once:
@@ -267,9 +268,14 @@ def agent(ring_dir: str | None, steps_dir: str | None, steps_out: str | None, no
         return
     watcher.install_signals()
     what = f"every step-<s> of {steps_dir}" if steps_dir else cfg.ring_dir
-    click.echo(f"agent {cfg.node}: watching {what} (hang timeout {hang_timeout:g} s, poll {poll:g} s); "
-               f"state in {state}", err=True)
+    _stamped(f"agent {cfg.node}: watching {what} (hang timeout {hang_timeout:g} s, poll {poll:g} s); "
+             f"state in {state}")
     watcher.run()
+
+
+def _stamped(msg: str) -> None:
+    """An agent's log line, led by the UTC time (the agents of one job run for days, on many nodes)."""
+    click.echo(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {msg}", err=True)
 
 
 @click.command("job-end", context_settings=CONTEXT_SETTINGS, epilog="""\b
