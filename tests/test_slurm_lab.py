@@ -359,13 +359,14 @@ def test_user() -> pwd.struct_passwd:
 
 @pytest.fixture
 def user_dir(test_user):
-    """A directory the test user owns (pytest's tmp_path is private to root)."""
+    """A directory the test user owns (pytest's tmp_path is private to root); kept afterwards, to look into a job,
+    with MEGATRACE_TEST_KEEP=1."""
     import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="megatrace-slurm-test-", dir="/tmp"))
     os.chown(work, test_user.pw_uid, test_user.pw_gid)
     yield work
-    if not os.environ.get("MT_KEEP"):
+    if not os.environ.get("MEGATRACE_TEST_KEEP"):
         shutil.rmtree(work, ignore_errors=True)
 
 
