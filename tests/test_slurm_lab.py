@@ -723,7 +723,11 @@ def _timeline(step_dir: Path, onset: float) -> str:
     for log in sorted(bundle.glob("agent-*.log")):
         parts.append(f"== {log.name}\n{log.read_text(errors='replace')[-3000:]}")
     for run in sorted(bundle.glob(f".agents/{step_dir.name}/collect-*.json")):
-        doc = json.loads(run.read_text())
+        try:
+            doc = json.loads(run.read_text())
+        except (OSError, ValueError) as exc:
+            parts.append(f"== {run.name}: {exc}")
+            continue
         parts.append(f"== {run.name}: rc {doc.get('rc')} after {doc.get('seconds')} s {doc.get('error') or ''}\n"
                      f"{str(doc.get('stderr'))[-3000:]}")
     try:
