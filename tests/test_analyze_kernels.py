@@ -67,11 +67,15 @@ def test_dense_ids_of_a_real_trace_index_are_the_same(tmp_path) -> None:
     simulate_job(SimOptions(tp=2, pp=4, dp=4, out=tmp_path / "t", steps=4))
     trace = load_trace(tmp_path / "t")
     a, b = both(index.index_records, trace)
-    for name in ("gidx", "inst", "inst_gidx", "inst_seq", "pair", "pair_chan", "pair_seq", "send_row", "recv_row",
+    for name in ("inst", "inst_gidx", "inst_seq", "pair_chan", "pair_seq", "send_row", "recv_row",
                  "chan_gidx", "chan_src", "chan_dst"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     assert a.n_instances > 0 and a.n_pairs > 0
+    pairs = a.pair_of(slice(None))  # (one column: pair p as -2 - p beside the instances)
+    assert np.array_equal(np.flatnonzero(pairs >= 0), np.sort(np.r_[a.send_row[a.send_row >= 0],
+                                                                     a.recv_row[a.recv_row >= 0]]))
+    assert not ((a.inst >= 0) & (pairs >= 0)).any()
 
 
 def _records(rng: np.random.Generator, n: int, world: int, n_groups: int):
@@ -90,13 +94,10 @@ def _records(rng: np.random.Generator, n: int, world: int, n_groups: int):
 def test_group_index_and_p2p_channels_in_c_are_numpys(seed: int, n: int, world: int, n_groups: int) -> None:
     """Each record's group position (markers and unknown groups left at -1) and the p2p rows with their channels
     (peers outside the world and rows without a group left out); thousands of channels grow the C hash table."""
-    from types import SimpleNamespace
-
     rng = np.random.default_rng(seed)
     rec = _records(rng, n, world, n_groups)
     gids = np.array(sorted({7, 9, 1000, 2**32 - 1})[:n_groups], np.uint32)
-    trace = SimpleNamespace(records=rec)
-    gidx_c, gidx_np = both(index._group_index, trace, gids)
+    gidx_c, gidx_np = both(index._group_index, rec.group_id, rec.op, gids)
     assert gidx_c.dtype == gidx_np.dtype and np.array_equal(gidx_c, gidx_np)
     assert_same(*both(index._p2p_channels, rec, gidx_c, world))
 
@@ -253,8 +254,8 @@ def test_record_roles_in_c_are_numpys(seed: int, n: int, pp: int | None) -> None
               for k, gid in enumerate((5, 7, 9, 1000))}
     layout = None if pp is None else Layout(world_size=world, tp=1, pp=pp, dp=world // pp)
     trace = SimpleNamespace(records=rec, groups=groups)
-    ix = SimpleNamespace(group_ids=np.array(sorted(groups), np.uint32),
-                         gidx=rng.integers(-1, len(groups), n).astype(np.int32))
+    gidx = rng.integers(-1, len(groups), n).astype(np.int32)  # (each record's group index, as RecordIndex.gidx_of)
+    ix = SimpleNamespace(group_ids=np.array(sorted(groups), np.uint32), gidx_of=lambda _rec, sl=slice(None): gidx[sl])
     a, b = both(lambda: (iterations.record_roles(trace, ix, layout),))
     assert_same(a, b)
 
@@ -278,12 +279,10 @@ def test_group_uses_in_c_are_numpys(seed: int, n: int, n_groups: int) -> None:
 def test_group_lookup_of_thousands_of_groups() -> None:
     """The C group table (open addressing) against numpy's binary search: 5,000 groups, a third of the records in
     groups nobody declared."""
-    from types import SimpleNamespace
-
     rng = np.random.default_rng(11)
     gids = np.unique(rng.integers(0, 2**32, 5000, dtype=np.uint64)).astype(np.uint32)
     rec = _records(rng, 300_000, 64, 4)
     rec.group_id[:] = np.where(rng.random(len(rec)) < 0.33, rng.integers(0, 2**32, len(rec), dtype=np.uint64),
                                gids[rng.integers(0, len(gids), len(rec))]).astype(np.uint32)
-    a, b = both(index._group_index, SimpleNamespace(records=rec), gids)
+    a, b = both(index._group_index, rec.group_id, rec.op, gids)
     assert a.dtype == b.dtype and np.array_equal(a, b) and (a >= 0).mean() > 0.5

@@ -69,6 +69,52 @@ def codes(trace) -> dict[str, str]:
     return {p.code: p.message for p in trace.problems}
 
 
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=8), seed=st.integers(0, 2**32 - 1),
+       lost=st.booleans())
+def test_a_counted_seq_column_reads_as_the_column_it_replaces(counts: list[int], seed: int, lost: bool) -> None:
+    """Each run's numbers count up from its own first; any slice, row list, mask or row reads the same as the array;
+    a run with a gap (a lost record) keeps the array."""
+    from megatrace.load.traceset import CountedSeq
+
+    rng = np.random.default_rng(seed)
+    seq = np.concatenate([int(rng.integers(1, 2**31 - 100)) + np.arange(k) for k in counts]).astype(np.int32)
+    runs = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    n = len(seq)
+    if lost and n >= 2:
+        seq[int(rng.integers(1, n))] += 2  # (a row that steps by more than one, or a run's first row: still fine)
+    counted = CountedSeq.of(seq, runs)
+    steps = np.diff(seq.astype(np.int64))
+    inner = np.ones(max(n - 1, 0), bool)
+    inner[runs[1:-1][(runs[1:-1] > 0) & (runs[1:-1] < n)] - 1] = False
+    if n and not (steps[inner] == 1).all():
+        assert counted is None
+        return
+    if not n:
+        assert counted is None
+        return
+    assert counted is not None and len(counted) == n and counted.dtype == seq.dtype
+    assert np.array_equal(np.asarray(counted), seq) and counted.tolist() == seq.tolist()
+    for lo, hi in ((0, n), (n // 3, n - n // 4), (n - 1, n), (n, n), (2, 1)):
+        assert np.array_equal(counted[lo:hi], seq[lo:hi])
+    rows = rng.integers(-n, n, 17)
+    assert np.array_equal(counted[rows], seq[rows]) and counted[-1] == seq[-1] and counted[n // 2] == seq[n // 2]
+    mask = rng.random(n) < 0.5
+    assert np.array_equal(counted[mask], seq[mask]) and np.array_equal(counted[::3], seq[::3])
+    with pytest.raises(IndexError):
+        counted[[n]]
+
+
+def test_a_full_load_keeps_seq_numbers_that_count_up_as_runs(tmp_path: Path) -> None:
+    b, _ = four_ranks()
+    b.write(tmp_path, closed=True)
+    trace = load_trace(tmp_path)
+    from megatrace.load.traceset import CountedSeq
+
+    assert isinstance(trace.records.seq, CountedSeq)
+    assert all(trace.records.seq[trace.rows(r)].tolist() == list(range(1, 7)) for r in range(4))
+
+
 def test_a_healthy_trace_loads_as_columns_with_groups_hosts_and_layout(tmp_path: Path) -> None:
     b, groups = four_ranks()
     b.write(tmp_path, closed=True, layout=Layout(world_size=4, tp=2, pp=1, dp=2))

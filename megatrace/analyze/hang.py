@@ -41,6 +41,7 @@ from megatrace.analyze.clock import ClockAlignment
 from megatrace.analyze.hang_roots import (RUNNING_OUTCOMES, STALL_FACTOR, RankStatus, RootCause, Wait, confirm_roots,
                                           drop_ended_by_launcher, find_roots, fold_consequences, merge_co_missing,
                                           usual_gap)
+from megatrace.analyze.index import pair_ids
 from megatrace.analyze.liveness import Liveness, assess
 from megatrace.analyze.match import InstanceDetail, MatchResult, instance_details
 from megatrace.analyze.wait_graph import WaitGraph
@@ -177,7 +178,7 @@ def _phantoms(trace: TraceSet, m: MatchResult, t: _Tails, tc: np.ndarray, last_b
     member never entered, completed after that partner had stopped (error completions after a peer died)."""
     rec, ix, c = trace.records, m.index, m.collectives
     state, op, done_at = t.take(rec.state), t.take(rec.op), t.take(tc)
-    pair = t.take(ix.pair, -1)
+    pair = pair_ids(t.take(ix.inst, -1))
     peer = np.clip(t.take(rec.peer, -1), 0, max(trace.world_size - 1, 0))
     last_by_rank = last_by_rank.copy()  # a rank whose records end early did not stop there: nothing is a phantom of it
     last_by_rank[[i.rank for i in trace.rank_info if i.ended_early]] = NONE
@@ -215,7 +216,8 @@ def _pending(trace: TraceSet, m: MatchResult, t: _Tails, blocking: np.ndarray) -
     last_sync = np.where(tail & ~is_async, col, -1).max(axis=1, keepdims=True)
     waiting = tail & ((last_sync < 0) | (col == last_sync))
     cand = t.rows[blocking & is_async & ~tail.any(axis=1, keepdims=True)]
-    pair, inst = ix.pair[cand], ix.inst[cand]
+    inst = ix.inst[cand]
+    pair = pair_ids(inst)
     other = np.where(rec.op[cand] == Op.SEND, _at(ix.recv_row, pair), _at(ix.send_row, pair))
     c = m.collectives
     never = ((pair >= 0) & (other < 0)) | ((inst >= 0) & (_at(c.n_entered, inst, 0) < _at(c.n_members, inst, 0)))
@@ -300,7 +302,7 @@ def _wait_for_graph(trace: TraceSet, m: MatchResult, te: np.ndarray, pending: np
     waits: dict[int, list[Wait]] = {}
     label_of = functools.partial(record_label, trace)
     # (the pending rows' fields as Python lists: tens of thousands of rows at large scale, read one by one)
-    columns = zip(pending.tolist(), rec.rank[pending].tolist(), ix.inst[pending].tolist(), ix.pair[pending].tolist(),
+    columns = zip(pending.tolist(), rec.rank[pending].tolist(), ix.inst[pending].tolist(), ix.pair_of(pending).tolist(),
                   (rec.op[pending] == Op.SEND).tolist(), rec.peer[pending].tolist(), te[pending].tolist(),
                   (rec.state[pending] == State.FAILED).tolist(), strict=True)
     blocked = RankStatus.BLOCKED

@@ -22,7 +22,7 @@ from megatrace.analyze.liveness import Liveness
 from megatrace.analyze.match import InstanceDetail, MatchResult
 from megatrace.analyze.wait_graph import WaitGraph
 from megatrace.load.traceset import TraceSet
-from megatrace.trace.ring_format import State
+from megatrace.trace.ring_format import Op, State
 
 STALL_FACTOR = 4.0  # a stop is a hang once it lasts this many times the usual gap between calls (p95) ...
 QUIET_FACTOR = 2.0  # ... or twice that gap when the whole job is quiet (every rank blocked or stopped) ...
@@ -96,7 +96,9 @@ def usual_gap(trace: TraceSet, te: np.ndarray, tc: np.ndarray, rank: int) -> int
 
 
 def usual_duration(trace: TraceSet, m: MatchResult, te: np.ndarray, tc: np.ndarray, gidx: int) -> int:
-    rows = np.flatnonzero((m.index.gidx == gidx) & (trace.records.state == State.COMPLETED))[-GAP_WINDOW:]
+    rec = trace.records  # (the group's records: its id, and no marker's)
+    rows = np.flatnonzero((rec.group_id == m.index.group_ids[gidx]) & (rec.op < Op.MARK_STEP)
+                          & (rec.state == State.COMPLETED))[-GAP_WINDOW:]
     d = tc[rows] - te[rows]
     return int(np.percentile(d, 95)) if len(d) >= 3 else 0
 

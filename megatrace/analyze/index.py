@@ -6,7 +6,8 @@ group and identical on all members, so the id is
 point-to-point record's channel is (group, src, dst) — for a send src is the
 rank and dst its peer, for a recv the other way round — and its pair id is
 (channel, seq) made dense the same way: send #k from A to B pairs with recv #k
-on B from A.
+on B from A. Both kinds of id share one column (a record is one or the other): what is kept per record is
+4 bytes, and the group index every key derives from is recomputed where it is needed, not kept.
 
 The passes over every record run in C where the extension is built (``analyze/native/_kernels.c``: the
 group lookup, the p2p channels, the dense ids, the counting sort's placing), else with numpy, whose every pass
@@ -113,11 +114,10 @@ class RecordIndex:
 
     group_ids: np.ndarray  # uint32, gidx -> gid (sorted)
     group_size: np.ndarray  # int64 per gidx (members in the group table)
-    gidx: np.ndarray  # int32 per record; -1 for markers
-    inst: np.ndarray  # int32/int64 per record: collective instance id, -1 for other records
+    inst: np.ndarray  # int32/int64 per record: its collective instance id (>= 0); a send or recv's p2p pair id
+    #                   p as -2 - p (:meth:`pair_of`); -1 for other records. A collective is ``inst >= 0``.
     inst_gidx: np.ndarray  # per instance (int32)
     inst_seq: np.ndarray  # per instance (the dtype of Records.group_seq)
-    pair: np.ndarray  # int32/int64 per record: p2p pair id, -1 for other records
     chan_gidx: np.ndarray  # per channel
     chan_src: np.ndarray
     chan_dst: np.ndarray
@@ -136,6 +136,29 @@ class RecordIndex:
 
     def gid_of_instance(self, i: int) -> int:
         return int(self.group_ids[self.inst_gidx[i]])
+
+    def pair_of(self, rows: np.ndarray | slice) -> np.ndarray:
+        """The p2p pair id of each of ``rows`` (row numbers or a slice), -1 for a row that is not a send or recv."""
+        return pair_ids(self.inst[rows])
+
+    def instance_rows(self, insts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of the instances ``insts``, grouped by instance (ascending; rows ascending within one), and
+        where each instance's rows start (with the end appended)."""
+        want = np.zeros(self.n_instances + 1, bool)
+        want[np.asarray(insts, np.int64) + 1] = True
+        rows = np.flatnonzero(np.take(want, self.inst + 1, mode="clip"))  # (pair codes clip to the -1 slot: False)
+        rows = rows[np.argsort(self.inst[rows], kind="stable")]
+        return rows, np.r_[0, np.flatnonzero(np.diff(self.inst[rows])) + 1, len(rows)]
+
+    def gidx_of(self, rec: Records, rows: slice = slice(None)) -> np.ndarray:
+        """The group index of each of ``rows`` (int32; -1 for a marker or a group not in :attr:`group_ids`),
+        recomputed from the group ids (a pass of C, or a binary search): kept for no record."""
+        return _group_index(rec.group_id[rows], rec.op[rows], self.group_ids)
+
+
+def pair_ids(codes: np.ndarray) -> np.ndarray:
+    """Pair ids from :attr:`RecordIndex.inst` values: -2 - p is pair p; every other value gives -1."""
+    return np.where(codes <= -2, -2 - codes, -1)
 
 
 def _id_dtype(n: int) -> type:
@@ -203,18 +226,18 @@ def _keys_of(keys: np.ndarray, op: np.ndarray | None, sl: slice) -> np.ndarray:
     return np.where((o != SEND) & (o != RECV), keys[sl], -1)
 
 
-def _group_index(trace: TraceSet, gids: np.ndarray) -> np.ndarray:
-    rec = trace.records
-    gidx = np.full(len(rec), -1, np.int32)
+def _group_index(group_id: np.ndarray, op: np.ndarray, gids: np.ndarray) -> np.ndarray:
+    """Each record's position in the sorted ``gids`` (int32), -1 for markers and groups not among them."""
+    gidx = np.full(len(group_id), -1, np.int32)
     if not len(gids):
         return gidx
     if group_index is not None:
-        group_index(rec.group_id, rec.op, gids, MARKER_MIN, gidx)
+        group_index(group_id, op, gids, MARKER_MIN, gidx)
         return gidx
-    for sl in chunks(len(rec)):
-        g = rec.group_id[sl]
+    for sl in chunks(len(group_id)):
+        g = group_id[sl]
         pos = np.minimum(np.searchsorted(gids, g), len(gids) - 1)
-        known = (gids[pos] == g) & (rec.op[sl] < MARKER_MIN)
+        known = (gids[pos] == g) & (op[sl] < MARKER_MIN)
         gidx[sl][known] = pos[known]
     return gidx
 
@@ -246,24 +269,24 @@ def _p2p_channels(rec: Records, gidx: np.ndarray, world: int) -> tuple[np.ndarra
 def index_records(trace: TraceSet) -> RecordIndex:
     """Assign collective instance ids and p2p pair ids to every record."""
     rec = trace.records
-    n = len(rec)
     gids = np.array(sorted(trace.groups), dtype=np.uint32)
     sizes = np.array([len(trace.groups[int(g)].ranks) for g in gids], dtype=np.int64)
-    gidx = _group_index(trace, gids)
+    gidx = _group_index(rec.group_id, rec.op, gids)
 
     inst, inst_gidx, inst_seq = _dense_ids(gidx, rec.group_seq, len(gids), op=rec.op)  # (collectives: no p2p)
 
     world = max(trace.world_size, 1)
     p_rows, chans, chan_of = _p2p_channels(rec, gidx, world)
+    del gidx
     sends = rec.op[p_rows] == SEND
     p_ids, pair_chan, pair_seq = _dense_ids(chan_of, rec.group_seq[p_rows], len(chans))
-    pair = np.full(n, -1, p_ids.dtype)
-    pair[p_rows] = p_ids
-    send_row = np.full(len(pair_chan), -1, _id_dtype(n))
-    recv_row = np.full(len(pair_chan), -1, _id_dtype(n))
+    del chan_of
+    inst[p_rows] = -2 - p_ids  # (the p2p rows are no collective's: their slots are free)
+    send_row = np.full(len(pair_chan), -1, inst.dtype)
+    recv_row = np.full(len(pair_chan), -1, inst.dtype)
     send_row[p_ids[sends]] = p_rows[sends]
     recv_row[p_ids[~sends]] = p_rows[~sends]
     return RecordIndex(
-        group_ids=gids, group_size=sizes, gidx=gidx, inst=inst, inst_gidx=inst_gidx, inst_seq=inst_seq,
-        pair=pair, chan_gidx=chans // (world * world), chan_src=(chans // world) % world, chan_dst=chans % world,
+        group_ids=gids, group_size=sizes, inst=inst, inst_gidx=inst_gidx, inst_seq=inst_seq,
+        chan_gidx=chans // (world * world), chan_src=(chans // world) % world, chan_dst=chans % world,
         pair_chan=pair_chan, pair_seq=pair_seq, send_row=send_row, recv_row=recv_row)

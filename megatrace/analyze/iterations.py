@@ -141,12 +141,13 @@ def record_roles(trace: TraceSet, ix: RecordIndex, layout: Layout | None) -> np.
     role = np.empty(len(rec), np.int8)
     world = layout.world_size if layout is not None else 0
     stage = np.array([layout.coords(r).pp for r in range(world)], np.int64) if layout is not None else None
-    if role_kernel is not None and role_kernel(
-            ix.gidx, rec.op, rec.peer, rec.rank, groles, stage, (int(Op.MARK_STEP), int(Op.SEND), int(Op.RECV)),
-            (OTHER, MARKER, TP, DP, PP_OTHER, ACT_IN, ACT_OUT, GRAD_IN, GRAD_OUT), role) == 0:
-        return role
+    codes = (int(Op.MARK_STEP), int(Op.SEND), int(Op.RECV)), (OTHER, MARKER, TP, DP, PP_OTHER, ACT_IN, ACT_OUT,
+                                                               GRAD_IN, GRAD_OUT)
     for sl in chunks(len(rec)):  # (chunk by chunk: no temporary as long as the records)
-        gidx, op = ix.gidx[sl], rec.op[sl]
+        gidx, op = ix.gidx_of(rec, sl), rec.op[sl]
+        if role_kernel is not None and role_kernel(gidx, op, rec.peer[sl], rec.rank[sl], groles, stage, *codes,
+                                                   role[sl]) == 0:
+            continue
         part = np.where(gidx >= 0, groles[np.maximum(gidx, 0)], OTHER).astype(np.int8)
         part[op >= Op.MARK_STEP] = MARKER
         p2p = (op == Op.SEND) | (op == Op.RECV)
@@ -328,7 +329,7 @@ def infer_iterations(trace: TraceSet, ix: RecordIndex, te: np.ndarray, tc: np.nd
     problem = None
     if layout is not None and method != "none":
         if layout.schedule in SCHEDULES:
-            segmenter = Segmenter(trace, role, te, tc, ix.pair, ix.send_row, ix.recv_row, layout,
+            segmenter = Segmenter(trace, role, te, tc, ix.inst, ix.send_row, ix.recv_row, layout,
                                   mb or layout.microbatches, dp_per_step or 0, record_step)
         else:
             problem = f"schedule {layout.schedule!r} is not modelled"

@@ -113,19 +113,20 @@ def _value_text(field_name: str, value: int) -> str:
     return f"root {value}"
 
 
-def _describe_mismatches(trace: TraceSet, ix: RecordIndex, bad: np.ndarray, n_keys: int,
+def _describe_mismatches(trace: TraceSet, ix: RecordIndex, bad: np.ndarray,
                          checks: dict[str, Callable[[np.ndarray], np.ndarray]], p2p: bool) -> list[Mismatch]:
     """One Mismatch per (instance, field) for the instance ids in ``bad`` (limited)."""
     out: list[Mismatch] = []
     rec = trace.records
-    keys = ix.pair if p2p else ix.inst
-    want = np.zeros(n_keys + 1, bool)
-    want[bad[:MAX_MISMATCHES] + 1] = True
-    rows = np.flatnonzero(want[keys + 1])
-    rows = rows[np.argsort(keys[rows], kind="stable")]
-    bounds = np.flatnonzero(np.diff(keys[rows])) + 1
-    for chunk in np.split(rows, bounds) if len(rows) else []:
-        i = int(keys[chunk[0]])
+    if p2p:  # (a pair's rows: its send and its recv)
+        ids = bad[:MAX_MISMATCHES]
+        ends = np.sort(np.stack([ix.send_row[ids], ix.recv_row[ids]], axis=1), axis=1)
+        by_key = [(int(i), r[r >= 0]) for i, r in zip(ids.tolist(), ends)]
+    else:
+        rows, bounds = ix.instance_rows(bad[:MAX_MISMATCHES])
+        by_key = [(int(ix.inst[rows[a]]), rows[a:b]) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())
+                  if b > a]
+    for i, chunk in by_key:
         if p2p:
             gidx, seq = int(ix.chan_gidx[ix.pair_chan[i]]), int(ix.pair_seq[i])
         else:
@@ -222,11 +223,11 @@ def match(trace: TraceSet, ix: RecordIndex, t_enqueue: np.ndarray, t_complete: n
 
     bad = np.flatnonzero(mismatch)
     checks = {name: (lambda r, v=value: v(rec, r)) for name, value in _CHECKS.items()}
-    mismatches = _describe_mismatches(trace, ix, bad, n, checks, p2p=False) if len(bad) else []
+    mismatches = _describe_mismatches(trace, ix, bad, checks, p2p=False) if len(bad) else []
     both = np.flatnonzero((ix.send_row >= 0) & (ix.recv_row >= 0))
     size_bad = both[rec.nbytes[ix.send_row[both]] != rec.nbytes[ix.recv_row[both]]]
     if len(size_bad):
-        mismatches += _describe_mismatches(trace, ix, size_bad, ix.n_pairs,
+        mismatches += _describe_mismatches(trace, ix, size_bad,
                                            {"nbytes": lambda r: rec.nbytes[r]}, p2p=True)
     return MatchResult(ix, colls, mismatches, len(bad) + len(size_bad))
 
@@ -261,14 +262,9 @@ def instance_details(trace: TraceSet, ix: RecordIndex, insts: np.ndarray | list[
     insts = np.unique(np.asarray(insts, dtype=np.int64))
     if not len(insts):
         return {}
-    want = np.zeros(ix.n_instances + 1, bool)
-    want[insts + 1] = True
-    rows = np.flatnonzero(want[ix.inst + 1])
-    rows = rows[np.argsort(ix.inst[rows], kind="stable")]
-    by_inst: dict[int, np.ndarray] = {}
-    if len(rows):
-        for chunk in np.split(rows, np.flatnonzero(np.diff(ix.inst[rows])) + 1):
-            by_inst[int(ix.inst[chunk[0]])] = chunk
+    rows, bounds = ix.instance_rows(insts)
+    by_inst = {int(ix.inst[rows[a]]): rows[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())
+               if b > a}
     rec = trace.records
     out: dict[int, InstanceDetail] = {}
     for i in insts.tolist():

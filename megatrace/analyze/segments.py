@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrace.analyze.index import pair_ids
 from megatrace.config import Layout
 from megatrace.errors import MegatraceError
 from megatrace.load.traceset import TraceSet
@@ -350,7 +351,7 @@ class Segmenter:
     role: np.ndarray
     te: np.ndarray
     tc: np.ndarray
-    pair: np.ndarray  # RecordIndex.pair, send_row, recv_row: to find each p2p record's match
+    inst: np.ndarray  # RecordIndex.inst (its pair codes), send_row, recv_row: to find each p2p record's match
     send_row: np.ndarray
     recv_row: np.ndarray
     layout: Layout
@@ -361,7 +362,7 @@ class Segmenter:
     def _partner_te(self, rows: np.ndarray) -> Local:
         """Enqueue time of the matching record of each p2p row (0 if none), over the row range of ``rows``."""
         lo, hi = (int(rows.min()), int(rows.max()) + 1) if len(rows) else (0, 0)
-        pair = self.pair[lo:hi]
+        pair = pair_ids(self.inst[lo:hi])
         out = np.zeros(hi - lo, np.int64)
         p2p = np.flatnonzero(pair >= 0)
         sends = self.trace.records.op[lo:hi][p2p] == Op.SEND

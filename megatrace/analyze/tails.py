@@ -39,7 +39,7 @@ def tail_gaps(trace: TraceSet, ix: RecordIndex, recent: int) -> list[int]:
 
     # Point to point: no counterpart loaded, and the partner's oldest loaded op of the other side on the
     # channel is a later one (or it has none).
-    pair = ix.pair[recent_rows]
+    pair = ix.pair_of(recent_rows)
     p_rows, pair = recent_rows[pair >= 0], pair[pair >= 0]
     is_send = rec.op[p_rows] == fmt.Op.SEND
     lone = np.where(is_send, ix.recv_row[pair], ix.send_row[pair]) < 0
@@ -68,11 +68,7 @@ def tail_gaps(trace: TraceSet, ix: RecordIndex, recent: int) -> list[int]:
         entered = np.bincount(ix.inst[ix.inst >= 0], minlength=ix.n_instances)
         short = insts[entered[insts] < ix.group_size[ix.inst_gidx[insts]]]
         if len(short):
-            want = np.zeros(ix.n_instances + 1, bool)
-            want[short + 1] = True
-            rows = np.flatnonzero(want[ix.inst + 1])
-            rows = rows[np.argsort(ix.inst[rows], kind="stable")]
-            bounds = np.r_[0, np.flatnonzero(np.diff(ix.inst[rows])) + 1, len(rows)]
+            rows, bounds = ix.instance_rows(short)
             who, groups, seqs = [], [], []
             for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
                 i = int(ix.inst[rows[a]])
@@ -99,8 +95,10 @@ def _uncovered(trace: TraceSet, ix: RecordIndex, pos_of_row: np.ndarray, who: np
     need_rank[who] = True
     need_group = np.zeros(n_groups + 1, bool)
     need_group[groups + 1] = True
-    rows = np.flatnonzero(need_rank[pos_of_row] & (ix.inst >= 0) & need_group[ix.gidx + 1])
-    keys = pos_of_row[rows].astype(np.int64) * n_groups + ix.gidx[rows]
+    gidx = ix.gidx_of(trace.records)
+    rows = np.flatnonzero(need_rank[pos_of_row] & (ix.inst >= 0) & need_group[gidx + 1])
+    keys = pos_of_row[rows].astype(np.int64) * n_groups + gidx[rows]
+    del gidx
     order = np.lexsort((trace.records.group_seq[rows], keys))
     uniq, first = np.unique(keys[order], return_index=True)
     oldest = trace.records.group_seq[rows][order][first]

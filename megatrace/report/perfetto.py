@@ -332,7 +332,7 @@ def _layout(trace: Any, ix: Any, te: np.ndarray, tc: np.ndarray, end_ns: int, st
     n = len(rec)
     shape, end = record_shapes(rec, te, tc, end_ns)
     closed = ((shape == DONE) | (shape == FAILED)) & (tc > 0) & (tc >= te)  # a completion (or failure) time
-    key = lane_keys(rec, ix.gidx)
+    key = lane_keys(rec, ix.gidx_of(rec))
     lane = np.zeros(n, np.int32)
     ops = np.flatnonzero(shape != MARK)  # (markers are instants: any number may share a lane and a time)
     lane[ops] = assign_lanes(rec.rank[ops], key[ops], te[ops], end[ops])
@@ -411,7 +411,7 @@ def _us(ns: np.ndarray) -> list[str]:
 def _chunk_columns(trace: Any, ix: Any, te: np.ndarray, t0: int, lay: _Layout, sl: slice) -> tuple[Any, ...]:
     """(event times, durations, ends, flow times by row, per-record columns) of the records ``sl``."""
     rec = trace.records
-    gi_col = ix.gidx[sl]
+    gi_col = ix.gidx_of(rec, sl)
     off = te[sl] - t0
     dur = lay.end[sl] - te[sl]
     mid = off + dur // 2
