@@ -40,6 +40,7 @@ def test_sizes_and_sequence_numbers_are_int32_while_they_fit_and_int64_beyond(tm
     b.write(tmp_path / "small", closed=True)
     small = load_trace(tmp_path / "small").records
     assert {small.seq.dtype, small.group_seq.dtype, small.nbytes.dtype} == {np.dtype(np.int32)}
+    assert small.peer.dtype == small.rank.dtype == np.int16 and small.op.dtype == np.uint8
     b.collective(groups[3], at=100.0, nbytes=3 << 31)  # ranks 1 and 3: one call of 6 GiB
     b.write(tmp_path / "big", closed=True)
     big = load_trace(tmp_path / "big").records
@@ -63,6 +64,27 @@ def test_a_column_widens_when_a_later_batch_does_not_fit(record_copy: str) -> No
     got = cols.finish()
     assert got.seq.dtype == got.group_seq.dtype == np.int64 and got.nbytes.dtype == np.int32
     assert got.seq.tolist() == [1, 2, (1 << 31) + 5, 1 << 40] and got.rank.tolist() == [0, 0, 1, 1]
+    assert got.rank.dtype == got.peer.dtype == np.int16 and got.op.dtype == np.uint8
+
+
+def test_ranks_peers_and_op_codes_widen_when_a_later_rank_does_not_fit(record_copy: str) -> None:
+    """A rank or peer beyond 2**15 - 1 (a world of more than 32,768) or an op code above 255 (a newer tracer's):
+    the column takes its full width, the rows before keep their values."""
+    from megatrace.load.rings import RecordColumns
+    from megatrace.trace.ring_reader import RECORD_DTYPE
+
+    def recs(peer: list[int], op: list[int]) -> np.ndarray:
+        out = np.zeros(len(peer), RECORD_DTYPE)
+        out["seq"], out["peer"], out["op"] = np.arange(1, len(peer) + 1), peer, op
+        return out
+
+    cols = RecordColumns(6)
+    cols.extend([0, 7], [recs([-1, 5], [1, 2]), recs([3], [100])])
+    cols.extend([40_000], [recs([40_001, -1], [1, 300])])
+    got = cols.finish()
+    assert got.rank.dtype == got.peer.dtype == np.int32 and got.op.dtype == np.uint16
+    assert got.rank.tolist() == [0, 0, 7, 40_000, 40_000] and got.peer.tolist() == [-1, 5, 3, 40_001, -1]
+    assert got.op.tolist() == [1, 2, 100, 1, 300] and got.seq.tolist() == [1, 2, 1, 1, 2]
 
 
 def codes(trace) -> dict[str, str]:

@@ -150,15 +150,16 @@ def test_c_slot_checks_refuse_bad_buffers() -> None:
     assert masks[0].all() and not masks[1].any() and not masks[2].any()
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 300), big=st.sets(st.sampled_from(["seq", "group_seq",
-                                                                                          "nbytes"])))
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 300),
+       big=st.sets(st.sampled_from(["seq", "group_seq", "nbytes", "peer", "op"])))
 def test_c_record_split_gives_numpys_columns(seed: int, n: int, big: set[str]) -> None:
     """``split_records`` (records into columns in one pass of C) writes every field as numpy's field copy would,
-    in 8- and 4-byte columns, and names the 4-byte columns that a value (above 2**31 - 1) does not fit."""
+    in columns of the field's size and in the narrower ones of ``NARROWED``, and names the narrowed columns that a
+    value does not fit (a size above 2**31 - 1, a peer outside int16, an op code above 255)."""
     import numpy as np
 
-    from megatrace.trace.ring_records import RECORD_DTYPE, SPLIT_COLUMNS, split_records
+    from megatrace.trace.ring_records import NARROWED, RECORD_DTYPE, SPLIT_COLUMNS, split_records
 
     rng = np.random.default_rng(seed)
     recs = np.frombuffer(rng.integers(0, 256, n * 64, dtype=np.uint8).tobytes(), RECORD_DTYPE)
@@ -167,12 +168,17 @@ def test_c_record_split_gives_numpys_columns(seed: int, n: int, big: set[str]) -
         recs[name] &= np.uint64((1 << 31) - 1)  # fits int32 ...
         if name in big and n:
             recs[name][rng.integers(0, n)] = rng.integers(1 << 31, 1 << 63, dtype=np.uint64)  # ... but for one row
+    recs["peer"] = rng.integers(-(1 << 15), 1 << 15, n)
+    recs["op"] = rng.integers(0, 256, n)
+    if "peer" in big and n:
+        recs["peer"][rng.integers(0, n)] = rng.choice([-(1 << 15) - 1, 1 << 15, -(1 << 31), (1 << 31) - 1])
+    if "op" in big and n:
+        recs["op"][rng.integers(0, n)] = rng.integers(256, 1 << 16)
     for narrow in (False, True):
-        dtypes = {name: np.int32 if narrow and name in ("seq", "group_seq", "nbytes") else
-                  RECORD_DTYPE[name] for name in SPLIT_COLUMNS}
+        dtypes = {name: NARROWED[name] if narrow and name in NARROWED else RECORD_DTYPE[name] for name in SPLIT_COLUMNS}
         cols = {name: np.zeros(n + 3, dt) for name, dt in dtypes.items()}
         over = split_records(recs, cols, 3)
-        assert over == (tuple(c for c in ("seq", "group_seq", "nbytes") if c in big) if narrow and n else ())
+        assert over == (tuple(c for c in NARROWED if c in big) if narrow and n else ())
         for name, col in cols.items():
             if name not in over:
                 assert np.array_equal(col[3:], recs[name].astype(dt := dtypes[name])), name
@@ -191,6 +197,8 @@ def test_c_record_split_refuses_bad_columns() -> None:
         split_records(recs, cols, 1)
     with pytest.raises(ValueError, match="column 2: 4-byte items"):  # t_enqueue is never narrowed
         split_records(recs, cols | {"t_enqueue": np.zeros(4, np.int32)}, 0)
+    with pytest.raises(ValueError, match="column 5: 2-byte items"):  # nor group_id
+        split_records(recs, cols | {"group_id": np.zeros(4, np.uint16)}, 0)
     assert split_records(recs.view(np.uint8)[:100], cols, 0) is None  # not ring records: copied field by field
     from megatrace.trace._ringfast import split_records as c_split
 

@@ -105,7 +105,8 @@ STAGES: list[tuple[str, Stage]] = [("hang", _hang_stage), ("mismatch", _mismatch
                                    ("rules", _rules_stage)]
 
 MODES = ("full", "hang")
-WARM_BYTES_PER_RECORD = 32  # heap faulted in ahead for a full analysis (it grows by 40-45 bytes a record after load)
+WARM_BYTES_PER_RECORD = 16  # heap faulted in ahead for a full analysis (it grows by some 22 bytes a record after the
+#                             load; faulting in more than it uses only adds to its peak: 24 measured 50 MiB more)
 # The stages that hold on each rank's tail alone (mode "hang"): a stage that needs whole iterations
 # (critical path, stragglers) is left out of that mode by not being named here.
 HANG_MODE_STAGES = frozenset({"hang", "mismatch", "rules"})
@@ -231,7 +232,7 @@ def analyze(trace_dir: str | Path, layout: Layout | LayoutSpec | str | Path | No
     if spec is not None:
         apply_layout_spec(trace, spec)
     timings["load"] = time.perf_counter() - t0
-    if not quick:  # (the full analysis grows by some 40 bytes a record after the load: most of it faulted in ahead)
+    if not quick:  # (the full analysis grows after the load: most of that faulted in ahead)
         warm_heap(len(trace.records) * WARM_BYTES_PER_RECORD)
     t = time.perf_counter()
     job = job_stage(trace, _given_layout(trace, layout), Path(out_dir) if out_dir is not None else output_dir(trace))

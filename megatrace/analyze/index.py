@@ -65,7 +65,7 @@ def rows_by_key(n: int, mask_of: Callable[[slice], np.ndarray], key_of: Callable
                 n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rows below ``n`` where ``mask_of(sl)`` holds, grouped by ``key_of(rows)`` (ints below ``n_keys``): keys
     ascending, rows ascending within a key, as a stable sort would order them; and for each key present, where
-    its rows start and how many there are.
+    its rows start and how many there are (in the rows' dtype).
 
     A counting sort of the rows selected chunk by chunk (one pass counts, one places): no temporary as long as
     the records, and no sort of every selected row at once. Between the passes only each chunk's mask is kept,
@@ -93,7 +93,7 @@ def rows_by_key(n: int, mask_of: Callable[[slice], np.ndarray], key_of: Callable
         out[cursor[keys] + np.arange(len(keys)) - np.repeat(heads, run)] = rows
         cursor[keys[heads]] += run
     present = counts > 0
-    return out, offsets[present], counts[present]
+    return out, offsets[present].astype(out.dtype), counts[present].astype(out.dtype)
 
 
 def rank_positions(starts: np.ndarray, sl: slice) -> np.ndarray:
@@ -146,7 +146,8 @@ class RecordIndex:
         where each instance's rows start (with the end appended)."""
         want = np.zeros(self.n_instances + 1, bool)
         want[np.asarray(insts, np.int64) + 1] = True
-        rows = np.flatnonzero(np.take(want, self.inst + 1, mode="clip"))  # (pair codes clip to the -1 slot: False)
+        # (chunk by chunk; pair codes clip to the -1 slot, which is False)
+        rows = select_rows(len(self.inst), lambda sl: np.take(want, self.inst[sl] + 1, mode="clip"))
         rows = rows[np.argsort(self.inst[rows], kind="stable")]
         return rows, np.r_[0, np.flatnonzero(np.diff(self.inst[rows])) + 1, len(rows)]
 

@@ -216,10 +216,14 @@ def match(trace: TraceSet, ix: RecordIndex, t_enqueue: np.ndarray, t_complete: n
     mismatch = np.zeros(n, bool)
     for name in _CHECKS:
         mismatch |= (lo[name] != hi[name]) & (n_entered > 0)
+    # Arrays of their own, so that the facts' table (every fact in int64) is freed: counts, ranks and op codes in
+    # int32, times and sizes in int64.
+    i32 = np.int32
     colls = Collectives(
-        n_members=np.maximum(ix.group_size[ix.inst_gidx], n_entered), n_entered=n_entered,
-        n_completed=n_completed, n_failed=n_failed, first_enter=first, last_enter=last,
-        last_enter_rank=last_rank, last_complete=last_complete, op=lo["op"], nbytes=hi["nbytes"], mismatch=mismatch)
+        n_members=np.maximum(ix.group_size[ix.inst_gidx], n_entered).astype(i32), n_entered=n_entered.astype(i32),
+        n_completed=n_completed.astype(i32), n_failed=n_failed.astype(i32), first_enter=first.copy(),
+        last_enter=last.copy(), last_enter_rank=last_rank.astype(i32), last_complete=last_complete.copy(),
+        op=lo["op"].astype(i32), nbytes=hi["nbytes"].copy(), mismatch=mismatch)
 
     bad = np.flatnonzero(mismatch)
     checks = {name: (lambda r, v=value: v(rec, r)) for name, value in _CHECKS.items()}

@@ -185,10 +185,11 @@ def pipeline_waits(trace: TraceSet, ix: RecordIndex, it: Iterations, te: np.ndar
     s, r = s[both], r[both]
     keep = it.in_steps(steps)(it.record_step[r]) & (te[s] > 0) & (te[r] > 0)
     s, r = s[keep], r[keep]
-    rank = trace.records.rank.astype(np.int64)
+    rank = trace.records.rank
     lag = te[r].astype(np.int64) - te[s].astype(np.int64)  # > 0: the sender arrived first and waited
-    waiter = np.where(lag > 0, rank[s], rank[r])
-    awaited = np.where(lag > 0, rank[r], rank[s])
+    sender, receiver = rank[s].astype(np.int64), rank[r].astype(np.int64)  # (only these rows' ranks, in int64)
+    waiter = np.where(lag > 0, sender, receiver)
+    awaited = np.where(lag > 0, receiver, sender)
     keys, inverse = np.unique(waiter * trace.world_size + awaited, return_inverse=True)
     sums = np.bincount(inverse, weights=np.abs(lag), minlength=len(keys))
     wait = {(int(k) // trace.world_size, int(k) % trace.world_size): int(v) for k, v in zip(keys, sums)}
@@ -227,9 +228,9 @@ def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterati
     rows, starts, sizes = rows_by_key(len(rec), wanted, lambda r: ix.inst[r], ix.n_instances)
     if not len(rows):
         return None
-    last = np.empty(len(starts), np.int64)
-    med_te = np.empty(len(starts), te.dtype)
-    med_gap = np.empty(len(starts), gap.dtype)
+    last = np.empty(len(starts), rows.dtype)
+    lag = np.empty(len(starts), te.dtype)
+    own = np.empty(len(starts), np.float64)
     # The instances of one size as a matrix, a row each, sorted along the rows (a stable sort keeps row order
     # among equal times: the last arrival of a tie is the last member row); a handful of sizes (group sizes).
     for k in np.unique(sizes).tolist():
@@ -240,12 +241,11 @@ def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterati
             t = te[member]
             by_time = np.argsort(t, axis=1, kind="stable")
             each = np.arange(len(which))
-            med_te[which] = t[each, by_time[:, (k - 1) // 2]]
-            last[which] = member[each, by_time[:, -1]]
+            mine = member[each, by_time[:, -1]]
+            last[which] = mine
+            lag[which] = te[mine] - t[each, by_time[:, (k - 1) // 2]]  # behind the (lower) median arrival
             # The last arrival's own compute before the call, beyond the (lower) median compute gap of the members.
-            med_gap[which] = np.sort(gap[member], axis=1)[:, (k - 1) // 2]
-    lag = te[last] - med_te
-    own = np.clip(gap[last] - med_gap, 0, lag)
+            own[which] = np.clip(gap[mine] - np.sort(gap[member], axis=1)[:, (k - 1) // 2], 0, lag[which])
     return rec.rank[last], lag, own, rows
 
 

@@ -226,16 +226,16 @@ class CountedSeq:
 class Records:
     """All ranks' records as columns (one row per record, ranks contiguous, each in seq order)."""
 
-    rank: np.ndarray  # int32 global rank
-    seq: np.ndarray | CountedSeq  # per-rank sequence; int64, or int32 when every value fits (rings.NARROW); a
+    rank: np.ndarray  # global rank: int32, or int16 when every rank fits (rings.RecordColumns)
+    seq: np.ndarray | CountedSeq  # per-rank sequence; int64, or int32 when every value fits (rings.RecordColumns); a
     #                               CountedSeq where every rank's count up by one (a full load: rings.RecordColumns)
     group_seq: np.ndarray  # int64 or int32 (as seq)
     t_enqueue: np.ndarray  # int64, CLOCK_MONOTONIC of the writing host
     t_complete: np.ndarray  # int64, 0 = no completion recorded
     nbytes: np.ndarray  # int64 or int32 (as seq)
     group_id: np.ndarray  # uint32
-    peer: np.ndarray  # int32
-    op: np.ndarray  # uint16
+    peer: np.ndarray  # int32, or int16 when every value fits (rings.RecordColumns)
+    op: np.ndarray  # uint16, or uint8 when every value fits
     dtype: np.ndarray  # uint8
     flags: np.ndarray  # uint8
     state: np.ndarray  # uint8 (ring_format.State)

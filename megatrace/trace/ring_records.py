@@ -159,7 +159,10 @@ class SlotCopy:
 # The columns split_records fills, in its order (the record's fields but the checksums and padding).
 SPLIT_COLUMNS = ("seq", "group_seq", "t_enqueue", "t_complete", "nbytes", "group_id", "peer", "op", "dtype", "flags",
                  "state")
-NARROWABLE = ("seq", "group_seq", "nbytes")  # the columns split_records also fills when they are int32
+# The columns split_records also fills when they are narrower than their field, in these dtypes (half its size).
+NARROWED: dict[str, type] = {"seq": np.int32, "group_seq": np.int32, "nbytes": np.int32, "peer": np.int16,
+                             "op": np.uint8}
+NARROWABLE = tuple(NARROWED)
 
 
 def native_split() -> bool:
@@ -169,9 +172,10 @@ def native_split() -> bool:
 
 def split_records(recs: np.ndarray, columns: dict[str, np.ndarray], at: int) -> tuple[str, ...] | None:
     """Copy the fields of ``recs`` (rows of :data:`RECORD_DTYPE`) into rows ``at..`` of ``columns`` (a 1-D array per
-    name of :data:`SPLIT_COLUMNS`, each of its field's dtype, or int32 for those of :data:`NARROWABLE`), in one pass
-    of C. Returns the int32 columns that a value does not fit (their rows then not all written; () when done), or
-    None when the extension is not built or the rows are not ring records (the caller copies field by field)."""
+    name of :data:`SPLIT_COLUMNS`, each of its field's dtype, or for those of :data:`NARROWED` that narrower one), in
+    one pass of C. Returns the narrowed columns that a value does not fit (their rows then not all written; () when
+    done), or None when the extension is not built or the rows are not ring records (the caller copies field by
+    field)."""
     if _split_records is None or recs.dtype != RECORD_DTYPE:  # (an importer's rows: another layout)
         return None
     over = _split_records(np.ascontiguousarray(recs).view(np.uint8), at, *(columns[name] for name in SPLIT_COLUMNS))

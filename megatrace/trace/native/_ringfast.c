@@ -813,13 +813,14 @@ done:
 /*
  * The loader's hot path: whole records into columns (load/rings.py, RecordColumns). Rows at..at+n of each
  * column get the fields of the n records of `raw`, in the order of SPLIT_COLUMNS; seq, group_seq and nbytes
- * may be 4-byte columns (the others have their field's size). Returns the columns among those three that a
- * value does not fit (bit 0 seq, 1 group_seq, 2 nbytes; their rows are then not all written): 0 when done.
+ * may be 4-byte columns (int32), peer a 2-byte one (int16) and op a 1-byte one (uint8); the others have their
+ * field's size. Returns the narrowed columns that a value does not fit (bit 0 seq, 1 group_seq, 2 nbytes,
+ * 3 peer, 4 op; their rows are then not all written): 0 when done.
  */
 #define SPLIT_COLUMNS 11
 static const struct {
-    unsigned offset, size; /* in the record; size 8 for the three that may be narrowed to 4 */
-    int narrow_bit;        /* -1: never narrowed */
+    unsigned offset, size; /* in the record */
+    int narrow_bit;        /* -1: never narrowed; else the column may also have half the field's size */
 } split_fields[SPLIT_COLUMNS] = {
     {0, 8, 0},  /* seq */
     {8, 8, 1},  /* group_seq */
@@ -827,8 +828,8 @@ static const struct {
     {48, 8, -1}, /* t_complete */
     {24, 8, 2},  /* nbytes */
     {32, 4, -1}, /* group_id */
-    {36, 4, -1}, /* peer */
-    {40, 2, -1}, /* op */
+    {36, 4, 3},  /* peer */
+    {40, 2, 4},  /* op */
     {42, 1, -1}, /* dtype */
     {43, 1, -1}, /* flags */
     {56, 1, -1}, /* state */
@@ -865,7 +866,8 @@ static PyObject *split_records(PyObject *Py_UNUSED(module), PyObject *const *arg
         if (PyObject_GetBuffer(args[2 + k], &col[k], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
             goto done;
         width[k] = (int)col[k].itemsize;
-        if (!(width[k] == (int)split_fields[k].size || (split_fields[k].narrow_bit >= 0 && width[k] == 4))
+        if (!(width[k] == (int)split_fields[k].size
+              || (split_fields[k].narrow_bit >= 0 && 2 * width[k] == (int)split_fields[k].size))
             || col[k].len / width[k] < at + n) {
             PyBuffer_Release(&col[k]);
             PyErr_Format(PyExc_ValueError, "column %zd: %d-byte items or fewer than %zd rows", k, width[k], at + n);
@@ -875,7 +877,7 @@ static PyObject *split_records(PyObject *Py_UNUSED(module), PyObject *const *arg
     }
     Py_BEGIN_ALLOW_THREADS
     const unsigned char *row = raw.buf;
-    /* Straight-line per record (the widths of the three narrowable columns are the same for every row). */
+    /* Straight-line per record (the widths of the narrowable columns are the same for every row). */
     for (Py_ssize_t i = 0; i < n; i++, row += MT_RECORD_SIZE) {
         for (int c = 0; c < 5; c++) { /* the 8-byte fields: seq, group_seq, t_enqueue, t_complete, nbytes */
             uint64_t v;
@@ -889,8 +891,23 @@ static PyObject *split_records(PyObject *Py_UNUSED(module), PyObject *const *arg
             }
         }
         memcpy(out[5] + 4 * i, row + 32, 4); /* group_id */
-        memcpy(out[6] + 4 * i, row + 36, 4); /* peer */
-        memcpy(out[7] + 2 * i, row + 40, 2); /* op */
+        if (width[6] == 4) {
+            memcpy(out[6] + 4 * i, row + 36, 4); /* peer */
+        } else {
+            int32_t v;
+            memcpy(&v, row + 36, 4);
+            int16_t low = (int16_t)v;
+            over |= (long)(v < INT16_MIN || v > INT16_MAX) << 3;
+            memcpy(out[6] + 2 * i, &low, 2);
+        }
+        if (width[7] == 2) {
+            memcpy(out[7] + 2 * i, row + 40, 2); /* op */
+        } else {
+            uint16_t v;
+            memcpy(&v, row + 40, 2);
+            over |= (long)(v > UINT8_MAX) << 4;
+            out[7][i] = (unsigned char)v;
+        }
         out[8][i] = row[42];                 /* dtype */
         out[9][i] = row[43];                 /* flags */
         out[10][i] = row[56];                /* state */
