@@ -354,6 +354,47 @@ def test_a_crashed_rank_with_its_peers_stuck_is_collected_as_a_failure(writers: 
     assert procs["1"]["signal"] is None
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec (make install: the mpich wheel) not available")
+def test_a_collector_that_gave_up_in_mpi_start_up_is_run_once_more(writers: Writers, tmp_path: Path) -> None:
+    """The hang collector's first step meets a process manager that never answers (its MPI_Init gives up after
+    half its --timeout); the agent says so and runs it once more, and the second step collects the hang."""
+    import socket
+
+    job = tmp_path / "job"
+    job.mkdir()
+    hung = writers.start(tmp_path / "n1", 0, 1, "hang", n=4)
+    _hung_at(hung)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # accepts and never answers
+    collect = [str(BIN / "megatrace"), "collect", "--ring-dir", str(tmp_path / "n1"), "--job-dir", str(job),
+               "--job-id", "42", "--trigger", "{trigger}", "--no-system", "--no-stacks", "--timeout", "8"]
+    first = tmp_path / "first-step-ran"
+    script = (f"if [ -e {shlex.quote(str(first))} ]; then exec {shlex.quote(MPIEXEC)} -n 1 -env "
+              f"MEGATRACE_NODE_NAME n1 {shlex.join(collect)}; fi; touch {shlex.quote(str(first))}; "
+              f"PMI_PORT=127.0.0.1:{silent.getsockname()[1]} PMI_RANK=0 PMI_SIZE=2 exec {shlex.join(collect)}")
+    log: list[str] = []
+    agent = Agent(AgentConfig(state_dir=str(tmp_path / "state"), ring_dir=str(tmp_path / "n1"), node="n1",
+                              job_id="42", job_dir=str(job), hang_timeout_s=1.0, poll_s=0.2,
+                              collect_cmd=["sh", "-c", script]), log=log.append)
+    report = job / "megatrace-42" / "collection.json"
+
+    def collected() -> bool:  # the agent polled until it has collected (a poll runs the collector, twice here)
+        if report.exists():
+            return True
+        agent.poll()
+        return False
+
+    with silent:
+        wait_for(collected, timeout=90, step=0.2, awaited="the hang's collection, at the second try")
+    assert first.exists() and json.loads(report.read_text())["trigger"]["reason"] == "hang", log
+    gave_up = [m for m in log if "collector (hang) exit 1" in m]
+    assert gave_up and "a collector task gave up in MPI_Init (mpi4py's import): Timeout (0:00:04)" in gave_up[0], log
+    assert any("collector (hang) failed: trying once more" in m for m in log), log
+    assert any("collector (hang) exit 0" in m for m in log), log
+
+
 def test_a_requeued_job_gets_a_fresh_state_directory() -> None:
     assert default_state_dir("/j", "12", restart="0") == "/j/.megatrace-12"
     assert default_state_dir("/j", "12", restart="2") == "/j/.megatrace-12.r2"

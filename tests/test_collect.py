@@ -375,3 +375,29 @@ def test_a_leader_wedged_part_way_through_its_stream_is_named_and_leaves_no_part
     for r, node in enumerate(NODES[:3]):
         name = f"rank-{r:05d}.ring"
         assert (bundle / "rings" / name).read_bytes() == (tmp_path / "nodes" / node / name).read_bytes()
+
+
+@needs_mpi
+def test_a_collector_whose_mpi_start_up_never_returns_gives_up_after_half_its_timeout(tmp_path: Path) -> None:
+    """MPI_Init waiting on a process manager that never answers (a PMI socket nobody serves: MPICH's own client
+    sends its first request and blocks for the reply) ends the collector after half of --timeout, with status 1
+    and its stack on stderr, instead of at its step's time limit minutes later (the hang's report with it)."""
+    import socket
+    import time
+
+    server, client = socket.socketpair()
+    env = {**os.environ, "PMI_FD": str(client.fileno()), "PMI_RANK": "0", "PMI_SIZE": "2"}
+    job = tmp_path / "job"
+    job.mkdir()
+    t0 = time.monotonic()
+    with server, client:
+        proc = subprocess.run([str(BIN / "megatrace"), "collect", "--job-dir", str(job), "--job-id", "7",
+                               "--timeout", "8", "--no-system"], env=env, pass_fds=(client.fileno(),),
+                              capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+        server.settimeout(5)
+        asked = server.recv(200)
+    assert asked.startswith(b"cmd=init"), asked  # the real MPI_Init, talking to the process manager
+    assert proc.returncode == 1 and 4.0 <= took < 40, (proc.returncode, took, proc.stderr[-2000:])
+    assert "Timeout (0:00:04)!" in proc.stderr and "in _import_mpi" in proc.stderr, proc.stderr[-2000:]
+    assert not list(job.iterdir())  # nothing half-written

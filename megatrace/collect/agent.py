@@ -350,6 +350,17 @@ class Agent:
             self._run_collector(reason, detail)
 
     def _run_collector(self, trigger: str, detail: str) -> dict[str, Any]:
+        """Run the collector; once more when it failed of itself (an exit status other than 0, within its time)
+        before it collected anything (no "collect: ..." line of its root): a collector task that gave up in MPI_Init
+        (a process manager that did not answer) leaves nothing, and a fresh step of it usually starts."""
+        result = self._run_collector_once(trigger, detail)
+        if isinstance(result.get("rc"), int) and result["rc"] != 0 and not any(
+                line.startswith("collect: ") for line in str(result.get("stdout") or "").splitlines()):
+            self.log(f"agent {self.cfg.node}: collector ({trigger}) failed: trying once more")
+            result = self._run_collector_once(trigger, detail)
+        return result
+
+    def _run_collector_once(self, trigger: str, detail: str) -> dict[str, Any]:
         cmd = [a.replace("{trigger}", trigger) for a in (self.cfg.collect_cmd or default_collect_cmd(self.cfg))]
         # The detail travels in the environment (srun and mpiexec pass it to every task), not as an
         # argument that would reach only the last part of an MPMD command line.
@@ -367,8 +378,7 @@ class Agent:
         line = (f"agent {self.cfg.node}: collector ({trigger}) exit {result.get('rc')} after "
                 f"{result.get('seconds', '?')} s")
         if result.get("rc") != 0:  # its last word says why (e.g. an srun of another Slurm release)
-            last = str(result.get("error") or result.get("stderr") or "").strip().splitlines()
-            line += f": {last[-1][:300]}" if last else ""
+            line += _why_failed(str(result.get("error") or result.get("stderr") or ""))
         self.log(line)
         try:
             self.state.write(f"collect-{trigger}.json", json.dumps(result, indent=1).encode(), replace=True)
@@ -458,6 +468,18 @@ class StepsAgent(Agent):
             if state in states:
                 return state
         return NO_RANKS
+
+
+def _why_failed(output: str) -> str:
+    """": <why>" for a failed collector's output: its last line, or where a task gave up on a deadline
+    (faulthandler's "Timeout (...)!" and the stacks after it), that, and in MPI_Init when the stack says so."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    timeouts = [k for k, line in enumerate(lines) if line.startswith("Timeout (") and line.rstrip().endswith(")!")]
+    if timeouts:
+        head = lines[timeouts[-1]].rstrip("!")
+        where = " in MPI_Init (mpi4py's import)" if any("_import_mpi" in line for line in lines[timeouts[-1]:]) else ""
+        return f": a collector task gave up{where}: {head}"
+    return f": {lines[-1][:300]}" if lines else ""
 
 
 def _sleep(seconds: float, wake: Callable[[], bool]) -> None:

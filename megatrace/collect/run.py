@@ -17,6 +17,8 @@ epilog's fallback); several nodes may add to the same bundle directory.
 
 from __future__ import annotations
 
+import faulthandler
+import io
 import json
 import os
 import secrets
@@ -35,6 +37,9 @@ from megatrace.collect.payload import (FileEntry, PayloadError, header_of, is_en
                                        unpack_end, unpack_header, unpack_tail)
 from megatrace.errors import MegatraceError
 from megatrace.names import node_name
+
+MPI_INIT_SHARE = 0.5  # of --timeout: how long MPI_Init may take before a collector task gives up (gather's deadlines
+#                       count from the same start: the root's word is due by a quarter of it)
 
 
 class CollectError(MegatraceError):
@@ -130,20 +135,41 @@ def _add_layout(writer: BundleWriter, opts: CollectOptions) -> None:
         writer.problems.append(f"layout {opts.layout} not copied: {exc.strerror or exc}")
 
 
-def _import_mpi() -> tuple[Any, list[str]]:
+def _import_mpi(deadline_s: float | None = None) -> tuple[Any, list[str]]:
     """mpi4py's MPI, started (its import runs ``MPI_Init``), and what was done to MPICH's start-up segments around
-    that (``collect/mpi_segments.py``: a stale one of this job step removed first, ours unlinked once attached)."""
+    that (``collect/mpi_segments.py``: a stale one of this job step removed first, ours unlinked once attached).
+
+    ``deadline_s``: an ``MPI_Init`` that has not returned by then (a process manager that stopped answering, a peer
+    wedged in its start-up) ends this process with status 1, the stacks of its threads on stderr under
+    "Timeout (...)!": faulthandler's watchdog, a thread of C that runs while ``MPI_Init`` holds the interpreter.
+    Otherwise only the step's time limit would end it, minutes later, and the hang's report with it."""
     try:
         import mpi4py
 
         mpi4py.rc.finalize = False  # never wait in MPI_Finalize for a dead peer: we leave with os._exit
         mpi4py.rc.threads = False
         notes = mpi_segments.clear_stale()
-        from mpi4py import MPI
+        watched = _watchdog(deadline_s)
+        try:
+            from mpi4py import MPI
+        finally:
+            if watched:
+                faulthandler.cancel_dump_traceback_later()
     except ImportError as exc:
         raise CollectError(f"mpi4py is not importable ({exc}); install the 'mpi' extra "
                            "(pip install 'megatrace[mpi]') or use --local") from None
     return MPI, notes + mpi_segments.unlink_attached()
+
+
+def _watchdog(deadline_s: float | None) -> bool:
+    """Arm faulthandler's exit after ``deadline_s`` (stacks to stderr); False where stderr is no file (nothing armed)."""
+    if not deadline_s:
+        return False
+    try:
+        faulthandler.dump_traceback_later(deadline_s, exit=True, file=sys.stderr)
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):  # (stderr without a descriptor)
+        return False
+    return True
 
 
 class _BundleReceiver:
@@ -194,7 +220,7 @@ def collect_mpi(opts: CollectOptions, report: Any = None) -> bool:
     :func:`exit_now` (a peer is dead or silent: MPI_Finalize would never return).
     """
     start = time.monotonic()
-    MPI, segment_notes = _import_mpi()
+    MPI, segment_notes = _import_mpi(MPI_INIT_SHARE * opts.timeout)
     for note in segment_notes:
         _say(opts, f"collect: {note}")
     comm = MPI.COMM_WORLD
