@@ -301,7 +301,7 @@ def critical_path_findings(trace: TraceSet, cp: CriticalPathResult) -> list[Find
         elif top:
             verdict += f"; its largest part is rank {top[0][0]}'s compute ({top[0][1]:.0%})"
         fit = np.median([p.length_ns / p.wall_ns for p in cp.steady if p.wall_ns])
-        evidence.append(f"critical path by kind: " + ", ".join(f"{k} {v:.0%}" for k, v in
+        evidence.append("critical path by kind: " + ", ".join(f"{k} {v:.0%}" for k, v in
                                                                sorted(cats.items(), key=lambda kv: -kv[1]) if v > 0)
                         + f" (modelled step time = {fit:.0%} of the measured one)")
         evidence.append("share of the critical path by rank: " + ", ".join(f"rank {r} {v:.0%}" for r, v in top))
