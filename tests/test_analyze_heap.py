@@ -1,5 +1,5 @@
 """The analysing process: it keeps the memory it frees (a large array made again is not faulted in again), and
-its cyclic garbage collector rests during the analysis only."""
+its cyclic garbage collector and numpy's huge pages rest during the analysis only."""
 
 from __future__ import annotations
 
@@ -60,6 +60,20 @@ def test_the_collector_rests_during_the_analysis_only() -> None:
         assert not gc.isenabled()  # (off before: left off)
     finally:
         gc.enable()
+
+
+def test_numpy_asks_for_no_huge_pages_during_the_analysis_only() -> None:
+    """Inside the block numpy's large arrays are not madvised for huge pages (a kept heap holds a 2 MiB page whole
+    while its arrays come and go); after it, numpy's setting is back."""
+    from numpy._core import multiarray
+
+    before = multiarray._set_madvise_hugepage(True)  # (returns the setting it replaces)
+    try:
+        with tuned_for_analysis():
+            assert multiarray._set_madvise_hugepage(False) is False  # off inside
+        assert multiarray._set_madvise_hugepage(True) is True  # on again after
+    finally:
+        multiarray._set_madvise_hugepage(before)
 
 
 def test_the_analyze_command_runs_without_the_collector_and_gives_it_back(tmp_path, monkeypatch) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.critical_path import what_if
 from megatrace.analyze.findings import Finding, Kind, Severity
-from megatrace.analyze.index import CHUNK, RecordIndex, chunks, rows_by_key
+from megatrace.analyze.index import RecordIndex, chunks, rows_by_key
 from megatrace.analyze.iterations import Iterations, compute_gaps, iterations_of, perf_kind
 from megatrace.analyze.links import PairStats, analyze_links, delay_matrix, link_finding, slow_rank_finding
 from megatrace.analyze.match import Collectives
@@ -44,6 +44,7 @@ from megatrace.load.traceset import TraceSet, rank_list
 from megatrace.trace.ring_format import Op, State
 
 MAX_LISTED = 8  # ranks or links named one by one in a finding
+MEMBER_CHUNK = 1 << 18  # instance members sorted at a time by the last-arrival pass (its temporaries: ~10 MiB)
 # Bursts: a rank stopped now and then (throttled, descheduled, a periodic pause) computes as fast as its peers most
 # of the time, so medians do not move; but it is the last arrival by far, often, and almost alone. A straggler in
 # bursts arrived last by more than ...
@@ -235,8 +236,8 @@ def _last_arrivals(trace: TraceSet, ix: RecordIndex, c: Collectives, it: Iterati
     # among equal times: the last arrival of a tie is the last member row); a handful of sizes (group sizes).
     for k in np.unique(sizes).tolist():
         of_size = np.flatnonzero(sizes == k)
-        for lo in range(0, len(of_size), max(1, CHUNK // k)):  # (temporaries of CHUNK rows at most)
-            which = of_size[lo:lo + max(1, CHUNK // k)]
+        for lo in range(0, len(of_size), max(1, MEMBER_CHUNK // k)):  # (temporaries of MEMBER_CHUNK rows at most)
+            which = of_size[lo:lo + max(1, MEMBER_CHUNK // k)]
             member = rows[starts[which][:, None] + np.arange(k)]
             t = te[member]
             by_time = np.argsort(t, axis=1, kind="stable")
