@@ -127,6 +127,22 @@ def test_a_counted_seq_column_reads_as_the_column_it_replaces(counts: list[int],
         counted[[n]]
 
 
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=10), seed=st.integers(0, 2**32 - 1))
+def test_per_row_spreads_each_runs_value_over_its_rows(counts: list[int], seed: int) -> None:
+    """Any forward range of rows, empty runs included, reads each row's run's value: the gather it replaces."""
+    from megatrace.load.traceset import per_row
+
+    rng = np.random.default_rng(seed)
+    starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    values = rng.integers(-1000, 1000, len(counts))
+    whole = np.repeat(values, counts)
+    n = len(whole)
+    for lo, hi in ((0, n), (n // 3, n - n // 4), (n - 1, n), (n, n), (2, 1)):
+        lo = max(lo, 0)
+        assert np.array_equal(per_row(values, starts, slice(lo, hi)), whole[lo:max(lo, hi)])
+
+
 def test_a_full_load_keeps_seq_numbers_that_count_up_as_runs(tmp_path: Path) -> None:
     b, _ = four_ranks()
     b.write(tmp_path, closed=True)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatrace.analyze.index import RecordIndex, chunks, rank_positions, select_rows
-from megatrace.load.traceset import TraceSet
+from megatrace.analyze.index import RecordIndex, chunks, select_rows
+from megatrace.load.traceset import TraceSet, per_row
 from megatrace.trace.ring_format import Flag, State
 
 MAX_SAMPLES = 400_000  # completion records used for refinement; instances are sampled whole beyond this
@@ -160,7 +160,7 @@ def align_clocks(trace: TraceSet, ix: RecordIndex, refine: bool = True, in_place
     t_enqueue = rec.t_enqueue if in_place else np.empty_like(rec.t_enqueue)
     t_complete = rec.t_complete if in_place else np.empty_like(rec.t_complete)
     for sl in chunks(len(rec)):  # bounded temporaries; in place, the monotonic columns become the aligned ones
-        off = rank_offset[rank_positions(trace.starts, sl)]
+        off = per_row(rank_offset, trace.starts, sl)
         np.add(rec.t_enqueue[sl], off, out=t_enqueue[sl])
         np.add(rec.t_complete[sl], np.where(rec.t_complete[sl] > 0, off, 0), out=t_complete[sl])
     if in_place:

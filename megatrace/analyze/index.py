@@ -96,14 +96,6 @@ def rows_by_key(n: int, mask_of: Callable[[slice], np.ndarray], key_of: Callable
     return out, offsets[present].astype(out.dtype), counts[present].astype(out.dtype)
 
 
-def rank_positions(starts: np.ndarray, sl: slice) -> np.ndarray:
-    """For rows ``sl`` of a trace with row offsets ``starts``, the index of each row's rank."""
-    r0 = int(np.searchsorted(starts, sl.start, side="right")) - 1
-    r1 = int(np.searchsorted(starts, sl.stop - 1, side="right")) - 1
-    bounds = np.clip(starts[r0:r1 + 2], sl.start, sl.stop)
-    return np.repeat(np.arange(r0, r1 + 1), np.diff(bounds))
-
-
 @dataclass
 class RecordIndex:
     """Per-record matching keys and the tables they point into.

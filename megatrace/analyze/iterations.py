@@ -23,11 +23,11 @@ import numpy as np
 
 from megatrace.analyze.context import AnalysisContext
 from megatrace.analyze.findings import Kind
-from megatrace.analyze.index import CHUNK, RecordIndex, chunks, rank_positions
+from megatrace.analyze.index import CHUNK, RecordIndex, chunks
 from megatrace.analyze.segments import (ACT_IN, ACT_OUT, DP, GRAD_IN, GRAD_OUT, MARKER, OTHER, P2P_ROLES, PP_OTHER,
                                         TP, RankSegments, Segmenter)
 from megatrace.config import Layout
-from megatrace.load.traceset import TraceSet, rank_spans
+from megatrace.load.traceset import TraceSet, per_row, rank_spans
 from megatrace.schedule import SCHEDULES
 from megatrace.trace.ring_format import Op
 
@@ -293,7 +293,7 @@ def _steps_from_ends(trace: TraceSet, ends: np.ndarray, end_step: np.ndarray, re
     runs = np.r_[breaks, n]  # (breaks start at row 0: the first rank's)
     if fill_runs is None or runs[0] != 0 or fill_runs(runs.astype(np.int64), step.astype(np.int32), record_step) < 0:
         for sl in chunks(n):  # each run's step over its rows
-            record_step[sl] = step[rank_positions(runs, sl)]
+            record_step[sl] = per_row(step, runs, sl)
     # A wrapped ring (oldest records overwritten), or one loaded from its tail only, starts inside a step: that
     # first step is partial.
     tail_only = getattr(trace, "tail", None) is not None

@@ -124,7 +124,7 @@ class RecordColumns:
     The columns of :data:`~megatrace.trace.ring_records.NARROWED` have its narrower dtypes while every value
     appended fits (the usual case: sequence numbers and message sizes below 2**31, in int32; peers below 2**15,
     in int16; op codes below 256, in uint8), each widened to its field's dtype by the first block of records that
-    does not: 15 bytes less a record, at 16,384 ranks 0.45 GiB. So is ``rank`` int16 while every rank is below
+    does not: 15 bytes less a record, at 16,384 ranks 0.43 GiB. So is ``rank`` int16 while every rank is below
     2**15 (widened to int32 by the first that is not): 2 bytes more.
     """
 

@@ -200,11 +200,8 @@ class CountedSeq:
         n = len(self)
         if isinstance(rows, slice) and rows.indices(n)[2] == 1:  # (a range of rows: one run after another)
             lo, hi, _ = rows.indices(n)
-            hi = max(lo, hi)
-            r0 = int(np.searchsorted(self._starts, lo, side="right")) - 1
-            r1 = int(np.searchsorted(self._starts, max(hi - 1, lo), side="right")) - 1
-            bounds = np.clip(self._starts[r0:r1 + 2], lo, hi)
-            return (np.repeat(self._base[r0:r1 + 1], np.diff(bounds)) + np.arange(lo, hi)).astype(self.dtype)
+            sl = slice(lo, max(lo, hi))
+            return (per_row(self._base, self._starts, sl) + np.arange(sl.start, sl.stop)).astype(self.dtype)
         idx = np.arange(n)[rows] if isinstance(rows, slice) else np.asarray(rows)
         if idx.dtype == bool:
             idx = np.flatnonzero(idx)
@@ -345,6 +342,16 @@ class TraceSet:
     def group_label(self, gid: int) -> str:
         g = self.groups.get(gid)
         return g.label if g is not None else f"group {gid}"
+
+
+def per_row(values: np.ndarray, starts: np.ndarray, sl: slice) -> np.ndarray:
+    """For rows ``sl`` (a forward range) of runs ``starts`` (run ``i``: rows ``starts[i]:starts[i + 1]``), each
+    row's run's value, ``values[i]``: the runs' values repeated, no index array built."""
+    lo, hi = sl.start, max(sl.start, sl.stop)
+    r0 = int(np.searchsorted(starts, lo, side="right")) - 1
+    r1 = int(np.searchsorted(starts, max(hi - 1, lo), side="right")) - 1
+    bounds = np.clip(starts[r0:r1 + 2], lo, hi)
+    return np.repeat(values[r0:r1 + 1], np.diff(bounds))
 
 
 def rank_spans(starts: np.ndarray, max_rows: int) -> Iterator[tuple[int, int]]:
