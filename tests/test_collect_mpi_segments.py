@@ -93,12 +93,11 @@ def test_after_init_the_segments_this_process_maps_are_unlinked(tmp_path: Path) 
         f"7f30-7f40 rw-s 00000000 00:1a 14 {shm}/mpich_shm_1_0 (deleted)\n"
         "7f40-7f50 r-xp 00000000 08:01 15 /usr/lib/libc.so.6\n"
         "7f50-7f60 rw-p 00000000 00:00 0 \n")
-    notes = unlink_attached(STEP_ENV, str(shm), str(maps))
+    notes = unlink_attached(str(shm), str(maps))
     assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_1_0", "torch_1234"]
     assert len(notes) == 2 and all("attached by this collector" in n for n in notes)
     (shm / "mpich_shm_d60e6660_2").write_bytes(b"x")
-    assert unlink_attached({**STEP_ENV, "SLURM_STEP_TASKS_PER_NODE": "2"}, str(shm), str(maps)) == []
-    assert unlink_attached(STEP_ENV, str(shm), str(tmp_path / "no-maps")) == []
+    assert unlink_attached(str(shm), str(tmp_path / "no-maps")) == []
 
 
 # --- on the real MPICH under the real Slurm lab ---

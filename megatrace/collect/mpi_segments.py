@@ -11,10 +11,12 @@ start-up fail ("Shared memory error") or hang. MPICH removes its segments in ``M
 collector facing a dead peer skips (it cannot return): each such collection left a few MiB of memory in /dev/shm
 on every node.
 
-Both are handled only where Slurm says this step runs one task per node (the collector's own ``srun`` line): then no
-other task of the step can be attaching to this node's segment, so one found before ``MPI_Init`` is stale, and
-once ``MPI_Init`` has returned ours is attached by every local task. A name is removed only when it is a regular
-file of this user (another user's file is left, and named); anything else is left as it is.
+A stale segment is cleared only where Slurm says this step runs one task per node (the collector's own ``srun``
+line): then no other task of the step can be attaching to this node's segment, so one found before ``MPI_Init`` is
+stale. Ours is unlinked under any launcher (srun, or ``mpiexec`` with several tasks a node): ``MPI_Init`` returns
+only after every local task has attached (MPICH's start-up barrier), and nothing attaches by name later. A name is
+removed only when it is a regular file of this user (another user's file is left, and named); anything else is left
+as it is.
 """
 
 from __future__ import annotations
@@ -61,12 +63,9 @@ def clear_stale(env: Mapping[str, str] = os.environ, shm_dir: str = SHM_DIR) -> 
                    f"{job}.{step}: MPI's start-up would attach to it")
 
 
-def unlink_attached(env: Mapping[str, str] = os.environ, shm_dir: str = SHM_DIR,
-                    maps: str = "/proc/self/maps") -> list[str]:
+def unlink_attached(shm_dir: str = SHM_DIR, maps: str = "/proc/self/maps") -> list[str]:
     """After ``MPI_Init``: unlink the start-up segments this process has mapped (they stay mapped while it runs), so
-    that none is left behind whether or not ``MPI_Finalize`` runs. Only in a one-task-per-node Slurm step."""
-    if not one_task_per_node(env):
-        return []
+    that none is left behind whether or not ``MPI_Finalize`` runs."""
     prefix = shm_dir.rstrip("/") + "/"
     try:
         with open(maps, encoding="utf-8", errors="replace") as f:
