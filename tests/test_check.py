@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.shm import mpich_segments
 
 from megatrace.check.host import HostThresholds, judge_allocation, judge_host, read_host, read_ib_ports
 from megatrace.check.network import judge_matrix, round_robin
@@ -233,9 +234,10 @@ def test_a_peer_hung_in_the_network_test_fails_that_probe_and_still_reports(nvml
     cmd = [str(BIN / "megatrace-check"), "--only", "node", "--only", "net", "--timeout", "5"]
     argv = [str(BIN / "mpiexec"), "-n", "1", "-env", "SLURMD_NODENAME", "n1", *cmd, "--json", str(tmp_path / "o.json"),
             "--reason-file", str(tmp_path / "reason"), ":", "-n", "1", "-env", "SLURMD_NODENAME", "n2", *cmd]
-    t = time.monotonic()
+    t, before = time.monotonic(), mpich_segments()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert time.monotonic() - t < 60
+    assert mpich_segments() - before == set()  # (ended by the watchdog, no MPI_Finalize: unlinked after MPI_Init)
     assert done.returncode == 4, done.stdout + done.stderr
     assert done.stdout.startswith("FAIL n1") and "net.allreduce did not finish within 5 s" in done.stdout, done.stdout
     assert "verdict: fail (2 node(s)" in done.stdout

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.memory import PEAK_KIB
+from helpers.shm import mpich_segments
 
 from megatrace.collect.run import CollectOptions, collect_local
 from megatrace.pipeline import analyze_bundle
@@ -63,11 +64,6 @@ def _spread(demo: Path, base: Path) -> Path:
         for suffix in ("ring", "meta.jsonl"):
             shutil.copy2(demo / "rings" / f"rank-{rank:05d}.{suffix}", d)
     return base
-
-
-def _mpich_segments() -> set[str]:
-    """MPICH's start-up segments in /dev/shm now."""
-    return {p.name for p in Path("/dev/shm").glob("mpich_*")}
 
 
 def _mpiexec(ring_base: Path, job_dir: Path, extra: list[str], per_node: dict[str, list[str]] | None = None,
@@ -125,12 +121,12 @@ def test_a_node_that_dies_before_the_gather_is_named_missing_and_the_rest_is_ana
     job.mkdir()
     # MPI rank 3 (node n4, a member of leader 2's group) joins MPI and crashes before sending anything.
     crash = [sys.executable, "-c", "import os; from mpi4py import MPI; os._exit(3)"]
-    before = _mpich_segments()
+    before = mpich_segments()
     proc = _mpiexec(base, job, ["--timeout", "8", "--nodes", "n[1-4]"], per_node={"n4": crash},
                     flags=["-disable-auto-cleanup"], timeout=60)
     # Three collectors facing a dead peer skip MPI_Finalize (MPICH's only removal of its start-up segment) and
     # share this host's: each unlinked what it had mapped after MPI_Init, so nothing stays in /dev/shm.
-    assert _mpich_segments() - before == set(), proc.stderr
+    assert mpich_segments() - before == set(), proc.stderr
     bundle = job / "megatrace-77"
     doc = json.loads((bundle / "collection.json").read_text())
     assert doc["nodes"]["collected"] == ["n1", "n2", "n3"], proc.stderr

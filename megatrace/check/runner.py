@@ -207,6 +207,9 @@ def _mpi_world() -> Any | None:
         from mpi4py import MPI
     except ImportError:
         return None
+    from megatrace.collect.mpi_segments import unlink_attached
+
+    unlink_attached()  # (MPICH's start-up segment: none left when a timed-out check ends without MPI_Finalize)
     comm = MPI.COMM_WORLD
     return comm if comm.Get_size() > 1 else None
 
