@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.shm import mpich_segments, remove_left_by
+
 from megatrace.trace.nccl import build as build_interposer
 from megatrace.trace.nccl.build import HERE as API_DIR
 from megatrace.trace.nccl.build import compiler
@@ -139,7 +141,7 @@ def run_job(build: Build, trace_dir: Path, args: list[str], *, ranks: int = 8, t
         cmd = [str(build.mpiexec), "-n", str(ranks), *(["-genv", "LD_PRELOAD", libs] if trace else [])]
     cmd += ["sh", "-c", wrapper, str(exits), str(build.driver), *args]
     stop = _kill if srun is None else _cancel
-    start = time.monotonic()
+    start, segments = time.monotonic(), mpich_segments()
     proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     stalled, last, last_change = False, -1, time.monotonic()
@@ -165,6 +167,7 @@ def run_job(build: Build, trace_dir: Path, args: list[str], *, ranks: int = 8, t
         if proc.poll() is None:
             stop(proc)
     _reap(exits, build.driver)
+    remove_left_by(segments)  # (the driver stands for the user's MPI program: ranks killed leave MPICH's segment)
     stderr = proc.stderr.read() if proc.stderr else ""
     out = proc.stdout.read() if proc.stdout else ""
     proc.wait()

@@ -73,12 +73,25 @@ static MPI_Op mpi_op(ncclRedOp_t op)
     }
 }
 
+/* MPI started by the double (a host program without MPI of its own) ends with the process: a real NCCL leaves
+ * nothing behind, and MPICH removes its start-up segment in /dev/shm only in MPI_Finalize. */
+static void finalize_mpi(void)
+{
+    int up = 0, down = 0;
+    MPI_Initialized(&up);
+    MPI_Finalized(&down);
+    if (up && !down)
+        MPI_Finalize();
+}
+
 static void ensure_mpi(void)
 {
     int up = 0;
     MPI_Initialized(&up);
-    if (!up)
+    if (!up) {
         MPI_Init(NULL, NULL);
+        atexit(finalize_mpi);
+    }
 }
 
 /* Outside a group the call completes now; inside it, at the outermost ncclGroupEnd. */
