@@ -105,8 +105,9 @@ STAGES: list[tuple[str, Stage]] = [("hang", _hang_stage), ("mismatch", _mismatch
                                    ("rules", _rules_stage)]
 
 MODES = ("full", "hang")
-WARM_BYTES_PER_RECORD = 16  # heap faulted in ahead for a full analysis (it grows by some 22 bytes a record after the
-#                             load; faulting in more than it uses only adds to its peak: 24 measured 50 MiB more)
+WARM_BYTES_PER_RECORD = 24  # heap faulted in ahead for a full analysis (it grows by some 22 bytes a record after the
+#                             load): 24 peaked at 1,991-1,995 MiB at 16,384 ranks, 16 at 1,946-2,006 and faulted
+#                             the rest in during the stages (match 0.6 s instead of 0.43), 32 at 2,214-2,228
 # The stages that hold on each rank's tail alone (mode "hang"): a stage that needs whole iterations
 # (critical path, stragglers) is left out of that mode by not being named here.
 HANG_MODE_STAGES = frozenset({"hang", "mismatch", "rules"})
