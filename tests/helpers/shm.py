@@ -16,12 +16,13 @@ def remove_left_by(before: set[str]) -> list[str]:
     new = mpich_segments() - before
     if not new:
         return []
-    mapped = set()
+    mapped: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            mapped.update(name for name in new if name in maps.read_text(errors="replace"))
+            text = maps.read_text(errors="replace")  # (once per process, whatever the number of names)
         except OSError:
             continue  # (a process that ended meanwhile)
+        mapped.update(name for name in new if name in text)
     gone = sorted(new - mapped)
     for name in gone:
         Path("/dev/shm", name).unlink(missing_ok=True)
