@@ -98,3 +98,48 @@ def test_the_analyze_command_runs_without_the_collector_and_gives_it_back(tmp_pa
     got = runner.invoke(main, ["analyze", str(trace), "--no-report", "-o", str(tmp_path / "out")])
     assert got.exit_code == 0, got.output
     assert seen == [False] and gc.isenabled()
+
+
+THREADS_CHILD = r"""
+import os, sys
+if sys.argv[1] == "command":  # the analyze command, as its process runs it
+    from megatrace.cli import main
+    main(["analyze", "--quick", sys.argv[2], "--no-report", "-o", sys.argv[3]], standalone_mode=False)
+elif sys.argv[1] == "helper":
+    from megatrace.cli.settings import import_numpy_for_analysis
+    import_numpy_for_analysis()
+else:
+    import numpy
+print(len(os.listdir("/proc/self/task")), os.environ.get("OPENBLAS_NUM_THREADS"))
+"""
+
+
+def _threads(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    import os
+
+    child_env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                                                   "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", THREADS_CHILD, *args], check=True, capture_output=True, text=True,
+                         env={**child_env, **(env or {})})
+    threads, blas = out.stdout.split()[-2:]
+    return int(threads), blas
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/task")
+def test_the_analysis_starts_no_blas_threads_and_leaves_the_environment_as_it_was(tmp_path) -> None:
+    """numpy's OpenBLAS starts a thread per core at import (that spins a while); the analysis has no use for
+    them. None is started, the variable that said so is gone again, and one the user set is obeyed."""
+    import os
+
+    if (os.cpu_count() or 1) > 1:  # (the control: a plain import starts the pool)
+        assert _threads("plain")[0] > 1
+    assert _threads("helper") == (1, "None")
+    assert _threads("helper", env={"OPENBLAS_NUM_THREADS": "2"}) == (2, "2")
+    from click.testing import CliRunner
+
+    from megatrace.cli import main
+
+    trace = tmp_path / "sim"
+    assert CliRunner().invoke(main, ["simulate", "--ranks", "16", "--tp", "2", "--pp", "2", "--records", "64",
+                                     "--fault", "hang:rank=3,step=1", "-o", str(trace)]).exit_code == 0
+    assert _threads("command", str(trace), str(tmp_path / "out")) == (1, "None")

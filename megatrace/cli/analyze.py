@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError, skip_teardown
+from megatrace.cli.settings import CONTEXT_SETTINGS, CommandError, import_numpy_for_analysis, skip_teardown
 from megatrace.names import SEVERITIES, job_dir_name
 
 if TYPE_CHECKING:
@@ -92,6 +92,7 @@ def analyze(trace_dir: str | None, job_id: str | None, job_logs: tuple[str, ...]
     rings, a hung job's verdict from the quick pass comes first, on stderr and in
     findings.json, while the full analysis runs; the full one then rewrites both.
     """
+    import_numpy_for_analysis()
     from megatrace.analyze.engine import LayoutSpec, analyze as run_analysis, output_dir
     from megatrace.analyze.findings import Severity
     from megatrace.analyze.heap import tuned_for_analysis
@@ -237,6 +238,7 @@ def export(trace_dir: str, perfetto: bool, out: str, trace_format: str) -> None:
     the trace and says so), flows joining the members of each collective instance in arrival order and
     each send to its recv. Nothing is written into TRACE_DIR.
     """
+    import_numpy_for_analysis()
     from megatrace.load import TraceLoadError
     from megatrace.config import LayoutError
     from megatrace.pipeline import export_trace

@@ -6,6 +6,7 @@ nothing heavy.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import IO, Any
@@ -25,6 +26,27 @@ def skip_teardown() -> None:
     quick analysis). Only the process entry (:func:`megatrace.cli.entry`: the console script, ``python -m
     megatrace.cli``) acts on it; a program that calls ``main(...)`` itself (a test, the collector) goes on."""
     _NO_TEARDOWN.append(True)
+
+
+# What numpy's BLAS reads at load for the size of its thread pool (OpenBLAS, MKL, an OpenMP build).
+_BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def import_numpy_for_analysis() -> None:
+    """Import numpy without a BLAS thread pool, unless the user sized one: the analysis does no linear algebra, and
+    OpenBLAS otherwise starts a thread per core that spins for a while after the import (at 4,096 ranks 0.1 s of a
+    second core during a 1 s quick analysis, the core the heap's prefault thread works on). The environment is as it
+    was afterwards: nothing the command starts inherits the setting."""
+    if "numpy" in sys.modules:
+        return
+    unset = [name for name in _BLAS_THREADS if name not in os.environ]
+    for name in unset:
+        os.environ[name] = "1"
+    try:
+        importlib.import_module("numpy")  # (the BLAS is loaded now, with one thread)
+    finally:
+        for name in unset:
+            os.environ.pop(name, None)
 
 
 def leave_if_done(exc: SystemExit) -> None:
