@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  full {full['time']:.2f} s, quick {min(quick['times']):.2f} s "
                   f"({', '.join(f'{t:.2f}' for t in quick['times'])})", file=sys.stderr)
             if not args.no_command and ranks in analyze_command.TARGET_VERDICT_S:
+                if not commands:
+                    print(f"  bytecode of {analyze_command.compile_package()} written where missing or stale "
+                          "(as an install does)", file=sys.stderr)
                 simulated = analyze_command.simulated(root, ranks)
                 for kind, where in (("bench", trace), ("simulate", simulated)):
                     commands.append(analyze_command.measure(ranks, kind, where, root / f"out-{kind}-{ranks}",
