@@ -160,12 +160,12 @@ VERDICT_FIRST_RANKS = 256
 def _many_rings(trace_dir: str, trace_format: str) -> bool:
     """Whether TRACE_DIR holds rings of at least :data:`VERDICT_FIRST_RANKS` ranks (imported formats are read
     whole even by the quick pass: it would gain nothing)."""
-    from megatrace.load.discovery import ring_files
+    from megatrace.load.discovery import trace_files
 
     if trace_format not in ("auto", "rings") or not os.path.isdir(trace_dir):
         return False
     try:
-        return len(ring_files(Path(trace_dir))[0]) >= VERDICT_FIRST_RANKS
+        return len(trace_files(Path(trace_dir)).rings) >= VERDICT_FIRST_RANKS
     except OSError:
         return False  # (the full analysis says what is wrong with the directory)
 

@@ -21,6 +21,7 @@ never read here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from megatrace.config import Layout
 from megatrace.load import probe as process_probe
-from megatrace.load.discovery import foreign_owner, marker_files, read_header, ring_files, select_rings
+from megatrace.load.discovery import TraceFiles, foreign_owner, read_header, select_rings, trace_files
 from megatrace.load.markers import read_markers, rendezvous_facts
 from megatrace.load.rings import RecordColumns, TailColumns, Tally, load_all, load_tails, read_tail_columns
 from megatrace.load.side_files import merge_groups, node_facts, resolve_layout
@@ -86,8 +87,8 @@ def _load_path(directory: Path, layout: Layout | None, tail: int | None, format:
         raise TraceLoadError(f"{directory}: no such directory")
     if not directory.is_dir():
         return _load_file(directory, layout, format)
-    files, earlier = ring_files(directory) if format in ("auto", "rings") else ([], [])
-    where, marker_names = marker_files(directory) if format in ("auto", "rings") else (directory, [])
+    listing = trace_files(directory) if format in ("auto", "rings") else TraceFiles([], [], directory, [])
+    files, earlier, where, marker_names = listing.rings, listing.earlier, listing.marker_dir, listing.markers
     if not files:
         return _load_without_rings(directory, where, marker_names, layout, format)
     problems: list[LoadProblem] = []
@@ -96,7 +97,7 @@ def _load_path(directory: Path, layout: Layout | None, tail: int | None, format:
         problems.append(LoadProblem(
             "info", "earlier-attempts",
             f"{len(earlier)} ring files of earlier attempts of restarted ranks ignored: "
-            f"{name_list([p.name for p in earlier])}", paths=tuple(map(str, earlier))))
+            f"{name_list([os.path.basename(p) for p in earlier])}", paths=tuple(earlier)))
     unreadable: list[str] = []
     headers, tails = _read_headers(files, tail, unreadable)
     if not headers:
@@ -172,20 +173,21 @@ def _load_without_rings(directory: Path, where: Path, marker_names: list[str], l
                          f"(rank-NNNNN.ring) in it or in its rings/ subdirectory")
 
 
-def _read_headers(files: list[Path], tail: int | None,
-                  unreadable: list[str]) -> tuple[dict[Path, RingHeader], TailColumns | None]:
+def _read_headers(files: list[str], tail: int | None,
+                  unreadable: list[str]) -> tuple[dict[str, RingHeader], TailColumns | None]:
     """Every readable file's header and, with ``tail``, its newest records (else None); the others are said in
     ``unreadable``."""
     if tail is not None:  # header and tail of every file at once (a file of another job or a duplicate is read
         #                   for nothing); from the bundle's tails pack when it has one (trace/tail_pack.py)
-        pack = read_pack(files[0].parent.parent, files[0].parent, len(files))
+        rings = Path(os.path.dirname(files[0]))
+        pack = read_pack(rings.parent, rings, len(files))
         try:
             tails = read_tail_columns(files, tail, unreadable, pack)
         finally:
             if pack is not None:
                 pack.close()
         return {path: snap.header for path, snap in tails.snaps.items()}, tails
-    headers: dict[Path, RingHeader] = {}
+    headers: dict[str, RingHeader] = {}
     for path in files:
         try:
             headers[path] = read_header(path)

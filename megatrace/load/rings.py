@@ -13,7 +13,6 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -45,12 +44,12 @@ def known_gids(entries: list[dict]) -> list[int]:
             and 0 <= e["gid"] < 1 << 32]
 
 
-def _meta_path_str(rank: int, path: Path) -> str:
+def _meta_path_str(rank: int, path: str) -> str:
     """The meta file of ``rank`` beside its ring file ``path`` (built as strings: thousands of ranks)."""
-    name = path.name
+    where, name = os.path.split(path)
     if RING_RE.match(name):
-        return os.path.join(os.path.dirname(str(path)), fmt.meta_name(rank))
-    return os.path.splitext(str(path))[0] + ".meta.jsonl"
+        return os.path.join(where, fmt.meta_name(rank))
+    return os.path.splitext(path)[0] + ".meta.jsonl"
 
 
 def damage(snap: RingSnapshot) -> str:
@@ -59,10 +58,10 @@ def damage(snap: RingSnapshot) -> str:
     return ""
 
 
-def _rank_info(rank: int, path: Path, snap: RingSnapshot, n_records: int) -> RankInfo:
+def _rank_info(rank: int, path: str, snap: RingSnapshot, n_records: int) -> RankInfo:
     """What the loaded trace keeps of one rank's ring (``n_records`` of its records loaded)."""
     h = snap.header
-    return RankInfo(rank, h.host, h.local_rank, h.pid, str(path), h.job_id, h.step_id, h.closed_cleanly, n_records,
+    return RankInfo(rank, h.host, h.local_rank, h.pid, path, h.job_id, h.step_id, h.closed_cleanly, n_records,
                     snap.overwritten, snap.lost, h.anchor_wall_ns, h.anchor_mono_ns, snap.dropped - snap.overwritten,
                     heartbeat_ns=h.heartbeat_ns, pulse_ns=h.pulse_ns, signal_ns=h.signal_ns)
 
@@ -212,7 +211,7 @@ Loaded = tuple[Records, list[RankInfo], dict[int, list[dict]], dict[int, set[int
 FULL_BATCH = 32  # rings whose records are copied into the columns together (about 4 MiB of records at 2,048 each)
 
 
-def load_all(chosen: dict[int, Path], headers: dict[Path, RingHeader], tally: Tally) -> Loaded:
+def load_all(chosen: dict[int, str], headers: dict[str, RingHeader], tally: Tally) -> Loaded:
     """Every record of the chosen rings, rank by rank, and their meta files."""
     # Columns are filled in place, sized from the headers (at most capacity, at most write_counter + 1
     # records per ring): many small per-rank arrays would fragment the heap and double the peak memory.
@@ -267,10 +266,10 @@ class TailColumns:
     """The tails of every readable ring file, as columns, file after file."""
 
     columns: dict[str, np.ndarray]
-    rows: dict[Path, tuple[int, int]]  # file -> (first row, count)
-    snaps: dict[Path, RingSnapshot]  # what was read, without the records (they are in ``columns``)
-    metas: dict[Path, bytes | None]  # the meta file's bytes (None: unreadable, read_meta will say why)
-    meta_paths: dict[Path, str]  # which meta file that is (by the rank in the ring's header)
+    rows: dict[str, tuple[int, int]]  # file -> (first row, count)
+    snaps: dict[str, RingSnapshot]  # what was read, without the records (they are in ``columns``)
+    metas: dict[str, bytes | None]  # the meta file's bytes (None: unreadable, read_meta will say why)
+    meta_paths: dict[str, str]  # which meta file that is (by the rank in the ring's header)
 
 
 def _packed_meta(pack: Mapping[str, PackedFile] | None, meta: str) -> bytes | None:
@@ -278,7 +277,7 @@ def _packed_meta(pack: Mapping[str, PackedFile] | None, meta: str) -> bytes | No
     return bytes(entry.body) if entry is not None and not entry.first else None
 
 
-def _read_batch(batch: list[Path], tail: int,
+def _read_batch(batch: list[str], tail: int,
                 pack: Mapping[str, PackedFile] | None = None) -> tuple[list, list[bytes | None], list[str]]:
     """The tails of ``batch`` (``read_tails``), the bytes of their meta files and those files' paths.
 
@@ -286,7 +285,7 @@ def _read_batch(batch: list[Path], tail: int,
     meta files are read together in one pass of C (``ring_io.read_files``), a file that pass leaves through
     ``files.open_input``. What the tails ``pack`` holds is taken from it, not read.
     """
-    named = [RING_RE.match(path.name) for path in batch]
+    named = [RING_RE.match(os.path.basename(path)) for path in batch]
     snaps = read_tails(batch, tail, pack=pack)
     meta_paths: list[str] = []
     for path, got, m in zip(batch, snaps, named, strict=True):
@@ -307,16 +306,16 @@ def _read_batch(batch: list[Path], tail: int,
     return snaps, metas, meta_paths
 
 
-def read_tail_columns(files: list[Path], tail: int, unreadable: list[str],
+def read_tail_columns(files: list[str], tail: int, unreadable: list[str],
                       pack: Mapping[str, PackedFile] | None = None) -> TailColumns:
     """Every ring's tail and meta file, batch by batch (from the tails ``pack`` where it holds them), copied into
     the columns."""
     # Sized for every file's whole tail (pages never written cost nothing); grown if a huge ``tail`` was asked.
     columns = RecordColumns(len(files) * min(tail, 4096))
-    rows: dict[Path, tuple[int, int]] = {}
-    snaps: dict[Path, RingSnapshot] = {}
-    metas: dict[Path, bytes | None] = {}
-    meta_paths: dict[Path, str] = {}
+    rows: dict[str, tuple[int, int]] = {}
+    snaps: dict[str, RingSnapshot] = {}
+    metas: dict[str, bytes | None] = {}
+    meta_paths: dict[str, str] = {}
     for lo in range(0, len(files), TAIL_BATCH):
         batch = files[lo:lo + TAIL_BATCH]
         got_snaps, got_metas, got_paths = _read_batch(batch, tail, pack)
@@ -392,7 +391,7 @@ def _json_or_none(line: bytes) -> object:
         return None
 
 
-def load_tails(chosen: dict[int, Path], tails: TailColumns, tally: Tally) -> Loaded:
+def load_tails(chosen: dict[int, str], tails: TailColumns, tally: Tally) -> Loaded:
     """The chosen rings' tails (already read into columns) and their meta files."""
     order = sorted(chosen.items())
     spans = [tails.rows[path] for _, path in order]

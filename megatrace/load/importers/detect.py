@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megatrace.load.discovery import ring_files
+from megatrace.load.discovery import trace_files
 from megatrace.load.importers.common import MAX_RANKS, ImportFormatError
 from megatrace.load.importers.flight_recorder import find_dumps
 from megatrace.load.importers.kineto import looks_like_kineto
@@ -32,7 +32,7 @@ def detect_format(directory: Path) -> str | None:
     Ring files win (a demo directory also holds the dumps of its opt-in Flight Recorder hook); two
     foreign formats side by side are an error: the user says which one with ``--format``.
     """
-    if ring_files(directory)[0]:
+    if trace_files(directory).rings:
         return "rings"
     found = []
     where_to_look = places(directory)
