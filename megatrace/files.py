@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -273,7 +272,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             yield fh
         return
     dfd = open_dir(path.parent)
-    tmp = f".{path.name}.{secrets.token_hex(6)}.tmp"
+    tmp = f".{path.name}.{os.urandom(6).hex()}.tmp"  # (secrets.token_hex: the same bytes)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dfd)
         try:

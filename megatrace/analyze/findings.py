@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import json
 import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -183,7 +182,7 @@ def findings_text(document: dict[str, Any], default: Callable[[Any], Any] | None
     analysis = document.get("analysis")
     if not isinstance(analysis, dict) or "report" not in analysis:
         return json.dumps(document, indent=2, ensure_ascii=False, default=default) + "\n"
-    marker = f"report-{uuid.uuid4().hex}"  # (no string of the document can hold it)
+    marker = f"report-{os.urandom(16).hex()}"  # (no string of the document can hold it)
     text = json.dumps({**document, "analysis": {**analysis, "report": marker}}, indent=2, ensure_ascii=False,
                       default=default)
     report = json.dumps(analysis["report"], ensure_ascii=False, default=default, separators=(",", ":"))

@@ -29,7 +29,6 @@ Flag and key names follow each framework's documentation:
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Mapping
 from typing import Any
 
@@ -202,6 +201,8 @@ def torchtitan(job: JobConfig, args: Mapping[str, str | None], files: list[Mappi
     data: dict[str, Any] = {}
     path = "command line"
     if found is not None:
+        import tomllib  # (here: most jobs are not torchtitan's, and the parser costs 5 ms to import)
+
         path, text = found
         try:
             data = tomllib.loads(text)
