@@ -44,12 +44,14 @@ def known_gids(entries: list[dict]) -> list[int]:
             and 0 <= e["gid"] < 1 << 32]
 
 
-def _meta_path_str(rank: int, path: str) -> str:
-    """The meta file of ``rank`` beside its ring file ``path`` (built as strings: thousands of ranks)."""
+def _meta_path_str(path: str, rank: int | None) -> str:
+    """The meta file beside ring file ``path``: of ``rank`` (its header's; None: the rank its name gives), or of the
+    same name for a ring not named rank-N.ring (built as strings: thousands of ranks)."""
     where, name = os.path.split(path)
-    if RING_RE.match(name):
-        return os.path.join(where, fmt.meta_name(rank))
-    return os.path.splitext(path)[0] + ".meta.jsonl"
+    named = RING_RE.match(name)
+    if named is None:
+        return os.path.splitext(path)[0] + ".meta.jsonl"
+    return os.path.join(where, fmt.meta_name(int(named.group(1)) if rank is None else rank))
 
 
 def damage(snap: RingSnapshot) -> str:
@@ -235,7 +237,7 @@ def load_all(chosen: dict[int, str], headers: dict[str, RingHeader], tally: Tall
         if len(parts) == FULL_BATCH:
             columns.extend(ranks, parts)
             ranks, parts = [], []
-        meta_paths.append(_meta_path_str(rank, path))
+        meta_paths.append(_meta_path_str(path, rank))
         try:
             meta_data.append(_read_file(meta_paths[-1]))
         except OSError:
@@ -285,14 +287,9 @@ def _read_batch(batch: list[str], tail: int,
     meta files are read together in one pass of C (``ring_io.read_files``), a file that pass leaves through
     ``files.open_input``. What the tails ``pack`` holds is taken from it, not read.
     """
-    named = [RING_RE.match(os.path.basename(path)) for path in batch]
     snaps = read_tails(batch, tail, pack=pack)
-    meta_paths: list[str] = []
-    for path, got, m in zip(batch, snaps, named, strict=True):
-        rank = int(m.group(1)) if m else -1
-        if isinstance(got, RingSnapshot) and got.header.rank != rank:
-            rank = got.header.rank
-        meta_paths.append(_meta_path_str(rank, path))
+    meta_paths = [_meta_path_str(path, got.header.rank if isinstance(got, RingSnapshot) else None)
+                  for path, got in zip(batch, snaps, strict=True)]
     metas: list[bytes | None] = [_packed_meta(pack, meta) if isinstance(got, RingSnapshot) else None
                                  for got, meta in zip(snaps, meta_paths, strict=True)]
     wanted = [k for k, got in enumerate(snaps) if isinstance(got, RingSnapshot) and metas[k] is None]
