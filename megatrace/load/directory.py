@@ -30,7 +30,6 @@ import numpy as np
 from megatrace.config import Layout
 from megatrace.load import probe as process_probe
 from megatrace.load.discovery import TraceFiles, foreign_owner, read_header, select_rings, trace_files
-from megatrace.load.markers import read_markers, rendezvous_facts
 from megatrace.load.rings import RecordColumns, TailColumns, Tally, load_all, load_tails, read_tail_columns
 from megatrace.load.side_files import merge_groups, node_facts, resolve_layout
 from megatrace.load.traceset import LoadProblem, TraceLoadError, TraceSet, name_list, rank_list
@@ -126,7 +125,11 @@ def _load_path(directory: Path, layout: Layout | None, tail: int | None, format:
     groups = merge_groups(metas, used, problems)
     facts = node_facts(directory, problems)
     facts.probe = process_probe.probe(infos)
-    markers = read_markers(where, marker_names, problems) if missing else {}
+    markers = {}
+    if missing:  # (start markers matter only for ranks without a ring: their module is imported only then)
+        from megatrace.load.markers import read_markers, rendezvous_facts
+
+        markers = read_markers(where, marker_names, problems)
     waiting = {r: m for r, m in markers.items() if r in missing}
     if waiting:
         facts.rendezvous = rendezvous_facts(directory, problems)
@@ -198,6 +201,8 @@ def _read_headers(files: list[str], tail: int | None,
 
 def _startup_trace(directory: Path, where: Path, names: list[str], layout: Layout | None) -> TraceSet:
     """A trace of start markers only: every rank stuck in (or before) init_process_group, no record."""
+    from megatrace.load.markers import read_markers, rendezvous_facts
+
     problems: list[LoadProblem] = []
     foreign_owner(directory, problems)
     markers = read_markers(where, names, problems)

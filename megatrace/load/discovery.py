@@ -122,15 +122,15 @@ def select_rings(headers: dict[str, RingHeader], problems: list[LoadProblem]) ->
             by_rank.setdefault(h.rank, []).append((p, h))
     chosen: dict[int, str] = {}
     for rank, items in sorted(by_rank.items()):
-        items.sort(key=lambda ph: (ph[1].anchor_wall_ns, ph[1].write_counter), reverse=True)
-        chosen[rank] = items[0][0]
-        if len(items) > 1:
+        if len(items) > 1:  # (the most recent first)
+            items.sort(key=lambda ph: (ph[1].anchor_wall_ns, ph[1].write_counter), reverse=True)
             dropped = [p for p, _ in items[1:]]
             problems.append(LoadProblem(
                 "error", "duplicate-rank",
                 f"rank {rank} appears in {len(items)} ring files; kept the most recent "
                 f"({os.path.basename(items[0][0])}), ignored {name_list([os.path.basename(p) for p in dropped])}",
                 ranks=(rank,), paths=tuple(dropped)))
+        chosen[rank] = items[0][0]
         name = os.path.basename(chosen[rank])
         named = RING_RE.match(name)
         if named and int(named.group(1)) != rank:
