@@ -23,7 +23,7 @@ import numpy as np
 
 from megatrace.analyze.index import op_name
 from megatrace.analyze.iterations import rank_chunks
-from megatrace.load.traceset import TraceSet
+from megatrace.load.traceset import TraceSet, per_row
 from megatrace.redact import redact_argv
 from megatrace.trace.environment import filter_env
 from megatrace.trace.ring_format import Op, State
@@ -162,18 +162,20 @@ def _timeline(trace: TraceSet, clock: Any, hang: Any, focus: set[int]) -> dict[s
     if not len(rec):
         return None
     per_rank = max(TIMELINE_MIN_OPS, min(TIMELINE_MAX_OPS, TIMELINE_BUDGET // max(1, len(trace.ranks))))
-    focused = np.fromiter(focus, np.int64) if focus and per_rank < TIMELINE_MAX_OPS else None
+    # (by rank position: ranks missing from the trace hold no row)
+    focused = np.isin(trace.ranks, np.fromiter(focus, np.int64)) if focus and per_rank < TIMELINE_MAX_OPS else None
+    positions = np.arange(len(trace.ranks), dtype=np.int64)
     parts = []
     for i0, i1 in rank_chunks(trace):  # whole ranks at a time: no temporary as long as the records
         lo, hi = int(trace.starts[i0]), int(trace.starts[i1])
-        rows = lo + np.flatnonzero(rec.op[lo:hi] < Op.MARK_STEP)
-        pos = np.searchsorted(trace.starts, rows, side="right") - 1
-        ends = np.cumsum(np.bincount(pos - i0, minlength=i1 - i0))
-        from_end = ends[pos - i0] - 1 - np.arange(len(rows))  # the rank's operations after this one
+        kept = np.flatnonzero(rec.op[lo:hi] < Op.MARK_STEP)
+        pos = per_row(positions, trace.starts, slice(lo, hi))[kept] - i0  # each operation's rank, from i0
+        ends = np.cumsum(np.bincount(pos, minlength=i1 - i0))
+        from_end = ends[pos] - 1 - np.arange(len(kept))  # the rank's operations after this one
         keep = from_end < per_rank
         if focused is not None:
-            keep |= np.isin(rec.rank[rows], focused) & (from_end < TIMELINE_MAX_OPS)
-        parts.append(rows[keep])
+            keep |= focused[i0:i1][pos] & (from_end < TIMELINE_MAX_OPS)
+        parts.append(lo + kept[keep])
     sel = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     if not len(sel):
         return None
