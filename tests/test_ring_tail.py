@@ -416,6 +416,7 @@ def test_batch_reads_in_c_give_what_python_reads(tmp_path):
         for k in (0, 1, 2, 6):
             with open(paths[k], "rb") as f:
                 assert got.head(k) == read_header_bytes(f.fileno()) and got.sizes[k] == os.path.getsize(paths[k])
+        assert got.all_heads() == [got.head(k) for k in range(len(paths))]  # (the short file's 100 bytes too)
         fds = [int(got.fds[k]) for k in (0, 1, 2, 6)] + [999_999]
         offsets, lengths, at = [0, 4096, 4100, 10, 0], [300, 640, 64, 90, 8], [0, 300, 940, 1004, 1094]
         runs = []

@@ -91,6 +91,11 @@ class OpenedHeads:
     def head(self, i: int) -> bytes:
         return self.heads[i, :int(self.lens[i])].tobytes()
 
+    def all_heads(self) -> list[bytes]:
+        """``head(i)`` of every row, in one pass (thousands of rows: no numpy indexing per row)."""
+        width, flat = self.heads.shape[1], self.heads.tobytes()
+        return [flat[i * width:i * width + n] for i, n in enumerate(self.lens.tolist())]
+
 
 def open_heads(paths: Sequence[str | os.PathLike[str]], header_len: int, live: slice, tries: int) -> OpenedHeads:
     """Open ``paths`` read-only (``files.INPUT_FLAGS``: no link followed, nothing blocks) and read the first

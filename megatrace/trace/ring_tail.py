@@ -161,13 +161,13 @@ def _read_heads_and_tails(paths: Sequence[str | os.PathLike[str]], which: range,
     opened = open_heads([paths[i] for i in todo], HEADER_USED, LIVE_WORDS, LIVE_TRIES)
     fds = {i: fd for i, fd in zip(todo, opened.fds.tolist(), strict=True) if fd >= 0}  # (all closed below)
     runs: list[tuple[int, int, int, int]] = []  # (file, offset, bytes, where in raw)
-    opened_sizes, head_lens, head_bytes = opened.sizes.tolist(), opened.lens.tolist(), opened.heads.tobytes()
+    opened_sizes, heads_read = opened.sizes.tolist(), opened.all_heads()
     try:
         for k, i in enumerate(todo):
             try:
                 if i in fds:
                     sizes[i] = opened_sizes[k]
-                    blob = head_bytes[k * HEADER_USED:k * HEADER_USED + head_lens[k]]
+                    blob = heads_read[k]
                 else:
                     fds[i] = fd = open_input(paths[i])
                     sizes[i] = os.fstat(fd).st_size
