@@ -9,8 +9,8 @@
 * **No huge pages asked for.** numpy asks the kernel for transparent huge pages on every array of 4 MiB or
   more. In a heap that keeps and reuses freed memory a 2 MiB page stays whole while the arrays in it come and
   go: at 16,384 ranks the peak was 1,952 to 2,053 MiB from run to run with them (the machine's supply of huge
-  pages decides), 1,993 MiB every time without, and the kernel's time fell from 3.7-4.4 s to 1.9-2.2 s (its
-  4 KiB faults are cheaper than zeroing 2 MiB pages); the whole analysis took no longer.
+  pages decides), 1,990 to 2,011 MiB without (over a dozen runs), and the kernel's time fell from 3.7-4.4 s to
+  1.9-2.2 s (its 4 KiB faults are cheaper than zeroing 2 MiB pages); the whole analysis took no longer.
 * **No cyclic garbage collection.** Loading 16,384 ranks makes hundreds of thousands of small objects (ranks'
   facts, meta entries, waits), and each of Python's full collections walks all of them: 8 full collections
   took 0.32 s of a 2.8 s quick analysis. Reference counting still frees everything that is not a cycle; a
